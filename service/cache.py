@@ -1,0 +1,96 @@
+"""The practice service's cross-step cache knob, on diffusers' own cache hooks.
+
+Production caches (TeaCache, FirstBlockCache) always compute the first and the
+last step: the first has nothing to reuse, and a reused last step leaves its
+error in the final image.  diffusers' FirstBlockCache does not protect the last
+step, so ``apply_cache`` adds that guard around the hook's own decision.
+Changing only the threshold of the active cache edits it in place: the blocks'
+forward is untouched, so a compiled transformer is not recompiled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+KINDS = ("none", "first_block_cache", "mag_cache", "taylorseer")
+_FBC_LEADER = "fbc_leader_block_hook"
+
+
+class _LastStepGuard:
+    """Wraps FBCHeadBlockHook._should_compute_remaining_blocks: compute the final step."""
+
+    def __init__(self, hook: Any, scheduler: Any) -> None:
+        self._hook = hook
+        self._orig = hook._should_compute_remaining_blocks
+        self._scheduler = scheduler
+
+    def _decide(self, residual: Any) -> bool:
+        state = self._hook.state_manager.get_state()
+        calls = getattr(state, "_stepwatch_calls", 0) + 1
+        state._stepwatch_calls = calls
+        ts = getattr(self._scheduler, "timesteps", None)
+        steps = len(ts) if ts is not None else 0
+        if steps and calls >= steps:
+            return True
+        return bool(self._orig(residual))
+
+    def install(self) -> None:
+        import torch
+
+        self._hook._should_compute_remaining_blocks = torch.compiler.disable(self._decide)
+
+
+def _leader(transformer: Any, name: str) -> Any:
+    for mod in transformer.modules():
+        hooks = getattr(getattr(mod, "_diffusers_hook", None), "hooks", None)
+        if hooks and name in hooks:
+            return hooks[name]
+    return None
+
+
+def current(transformer: Any) -> tuple[str, float | None]:
+    """(kind, threshold) of the cache active on the transformer."""
+    cfg = getattr(transformer, "_cache_config", None)
+    if cfg is None:
+        return "none", None
+    name = type(cfg).__name__
+    kind = {"FirstBlockCacheConfig": "first_block_cache", "MagCacheConfig": "mag_cache",
+            "TaylorSeerCacheConfig": "taylorseer"}.get(name, name)
+    return kind, getattr(cfg, "threshold", None)
+
+
+def apply_cache(pipe: Any, kind: str, threshold: float | None = None, steps: int = 4) -> None:
+    """Set the cache of ``pipe.transformer`` to ``kind`` at ``threshold`` (replacing any other).
+
+    ``steps`` is the step count MagCache interpolates its ratios to.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"cache kind {kind!r}: choose one of {', '.join(KINDS)}")
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+    from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+    tr = pipe.transformer
+    active, _ = current(tr)
+    if kind == active and kind == "first_block_cache" and threshold is not None:
+        hook = _leader(tr, _FBC_LEADER)
+        if hook is not None:
+            hook.threshold = float(threshold)
+            tr._cache_config.threshold = float(threshold)
+            return
+    if active != "none":
+        tr.disable_cache()
+    if kind == "none":
+        return
+    if kind == "first_block_cache":
+        tr.enable_cache(FirstBlockCacheConfig(threshold=0.05 if threshold is None else float(threshold)))
+        hook = _leader(tr, _FBC_LEADER)
+        if hook is not None:
+            _LastStepGuard(hook, pipe.scheduler).install()
+    elif kind == "mag_cache":
+        tr.enable_cache(MagCacheConfig(threshold=0.06 if threshold is None else float(threshold),
+                                       num_inference_steps=steps, mag_ratios=FLUX_MAG_RATIOS,
+                                       retention_ratio=0.2))
+    else:
+        interval = max(1, int(threshold)) if threshold is not None else 2
+        tr.enable_cache(TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=1,
+                                              disable_cache_after_step=max(1, steps - 1)))

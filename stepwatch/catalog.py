@@ -1,0 +1,193 @@
+"""Every metric stepwatch emits, as data.
+
+The exporter, the practice service and the sidecar build their collectors from
+this table; the rule generator, the dashboards, the runbook checks and the
+triage agent validate their queries against it.  One name, one meaning.
+
+Naming: ``stepwatch_<subsystem>_<name>_<unit>``, base units (seconds, bytes,
+ratios 0..1), ``_total`` for counters.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+Kind = Literal["counter", "gauge", "histogram", "info"]
+Owner = Literal["exporter", "service", "sidecar"]
+
+# 0.5 ms .. 300 s: resolves 5 ms steps on a GPU and 60 s+ compiles in one family.
+DURATION_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0,
+    20.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+# Position of a cache hit in the trajectory: step index / steps, deciles.
+POSITION_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+PSNR_BUCKETS: tuple[float, ...] = (10, 15, 20, 24, 26, 28, 30, 32, 35, 40, 50, 60, 100)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    owner: Owner = "exporter"
+    buckets: tuple[float, ...] = field(default=(), compare=False)
+
+    def series_names(self) -> tuple[str, ...]:
+        """Names that appear in an exposition for this metric."""
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        if self.kind == "info":
+            return (f"{self.name}_info",)
+        return (self.name,)
+
+
+def _m(name: str, kind: Kind, help: str, labels: tuple[str, ...] = (), owner: Owner = "exporter",
+       buckets: tuple[float, ...] = ()) -> MetricDef:
+    return MetricDef(name, kind, help, labels, owner, buckets)
+
+
+METRICS: tuple[MetricDef, ...] = (
+    # --- in-process exporter: one pipeline call = one request -------------------------------
+    _m("stepwatch_pipeline_requests_total", "counter",
+       "Pipeline calls by outcome (ok, error, oom).", ("shape", "outcome")),
+    _m("stepwatch_pipeline_request_duration_seconds", "histogram",
+       "Wall time of a pipeline call, device-accurate on CUDA.", ("shape",), buckets=DURATION_BUCKETS),
+    _m("stepwatch_pipeline_stage_duration_seconds", "histogram",
+       "Time per stage: text_encode, denoise, vae_decode.", ("shape", "stage"), buckets=DURATION_BUCKETS),
+    _m("stepwatch_pipeline_step_duration_seconds", "histogram",
+       "Time of one denoising step, all CFG branches together.", ("shape",), buckets=DURATION_BUCKETS),
+    _m("stepwatch_pipeline_cfg_branches", "gauge",
+       "Transformer calls per step in the last request of the shape (2 with CFG).", ("shape",)),
+    _m("stepwatch_cache_decisions_total", "counter",
+       "Cross-step cache decisions per transformer call: hit reuses the cached residual, miss recomputes.",
+       ("shape", "cache", "decision")),
+    _m("stepwatch_cache_hit_position_ratio", "histogram",
+       "Where in the trajectory cache hits land: step index / steps.", ("shape",), buckets=POSITION_BUCKETS),
+    _m("stepwatch_compile_total", "counter",
+       "torch.compile (Dynamo) compilations, by the shape that triggered them and the phase.",
+       ("shape", "phase")),
+    _m("stepwatch_compile_duration_seconds", "histogram",
+       "Duration of one torch.compile compilation.", ("shape", "phase"), buckets=DURATION_BUCKETS),
+    _m("stepwatch_memory_peak_bytes", "gauge",
+       "Peak memory of the last request per stage (and stage=request); on OOM, the demand that failed.",
+       ("device", "stage")),
+    _m("stepwatch_memory_capacity_bytes", "gauge",
+       "Memory the peak is measured against (GPU total, or the worker's budget on CPU).", ("device",)),
+    _m("stepwatch_oom_total", "counter", "Out-of-memory failures by stage.", ("shape", "stage")),
+    _m("stepwatch_ledger_step_flops", "gauge",
+       "Nominal FLOPs of one denoising step (all CFG branches) from the ledger.", ("shape",)),
+    _m("stepwatch_ledger_flops_total", "counter",
+       "Nominal denoising FLOPs executed; rate() / step seconds / peak = MFU.", ("shape",)),
+    _m("stepwatch_ledger_mfu_ratio", "gauge",
+       "Model FLOPs utilization of the last request of the shape (step FLOPs / step time / peak).",
+       ("shape",)),
+    _m("stepwatch_device_peak_flops_per_second", "gauge",
+       "Dense peak FLOP/s the MFU is computed against (0 when unknown).", ("device",)),
+    _m("stepwatch_rank_step_duration_seconds", "gauge",
+       "Mean step time of each rank in the last request.", ("rank",)),
+    _m("stepwatch_rank_skew_ratio", "gauge",
+       "(max - min) / min of the ranks' mean step time in the last request.", ()),
+    _m("stepwatch_baseline_step_duration_seconds", "gauge",
+       "Per-step time baseline of a shape, from the deployment's baseline file.", ("shape",)),
+    _m("stepwatch_baseline_cache_hit_ratio", "gauge",
+       "Cache hit-rate baseline of a shape, from the deployment's baseline file.", ("shape",)),
+    _m("stepwatch_exporter_errors_total", "counter",
+       "Errors inside stepwatch's own hooks (never raised into the pipeline).", ("component",)),
+    _m("stepwatch_exporter_build", "info", "stepwatch and library versions of this process.", ()),
+    # --- practice service ----------------------------------------------------------------
+    _m("stepwatch_service_requests_total", "counter",
+       "HTTP generation requests by pool and result code class.", ("pool", "code"), "service"),
+    _m("stepwatch_service_request_duration_seconds", "histogram",
+       "End-to-end latency of a generation request (queue + work).", ("pool",), "service",
+       DURATION_BUCKETS),
+    _m("stepwatch_service_images_nonfinite_total", "counter",
+       "Images that came out NaN/Inf or all black.", ("pool",), "service"),
+    _m("stepwatch_queue_depth", "gauge", "Requests waiting in a pool's queue.", ("pool",), "service"),
+    _m("stepwatch_queue_estimated_wait_seconds", "gauge",
+       "Predicted GPU-seconds of queued work / workers.", ("pool",), "service"),
+    _m("stepwatch_queue_slo_seconds", "gauge", "Latency SLO of a pool.", ("pool",), "service"),
+    _m("stepwatch_queue_wait_seconds", "histogram",
+       "Time a request waited before a worker took it.", ("pool",), "service", DURATION_BUCKETS),
+    _m("stepwatch_queue_rejected_total", "counter",
+       "Requests refused with 429 because the estimated wait passed the hard limit.", ("pool",), "service"),
+    _m("stepwatch_worker_restarts_total", "counter", "Worker processes restarted after dying.", (), "service"),
+    _m("stepwatch_worker_up", "gauge", "1 when the worker process is alive.", (), "service"),
+    _m("stepwatch_service_ready", "gauge", "1 once warm-up finished.", (), "service"),
+    _m("stepwatch_service_config", "info",
+       "Runtime knobs and the deployment fingerprint of the service.", (), "service"),
+    # --- sidecar: NVML ------------------------------------------------------------------
+    _m("stepwatch_nvml_up", "gauge", "1 when NVML initialized and answered.", (), "sidecar"),
+    _m("stepwatch_gpu_memory_used_bytes", "gauge", "Device memory in use.", ("gpu",), "sidecar"),
+    _m("stepwatch_gpu_memory_total_bytes", "gauge", "Device memory capacity.", ("gpu",), "sidecar"),
+    _m("stepwatch_gpu_utilization_ratio", "gauge",
+       "Share of time a kernel ran (NVML GPU-Util); says nothing about MFU.", ("gpu",), "sidecar"),
+    _m("stepwatch_gpu_sm_clock_hertz", "gauge", "SM clock.", ("gpu",), "sidecar"),
+    _m("stepwatch_gpu_temperature_celsius", "gauge", "GPU temperature.", ("gpu",), "sidecar"),
+    _m("stepwatch_gpu_power_watts", "gauge", "Power draw.", ("gpu",), "sidecar"),
+    _m("stepwatch_gpu_throttle_active", "gauge",
+       "1 while a clock throttle reason is active.", ("gpu", "reason"), "sidecar"),
+    _m("stepwatch_gpu_xid_errors_total", "counter", "XID errors seen by NVML events.", ("gpu",), "sidecar"),
+    _m("stepwatch_gpu_read_errors_total", "counter", "Failed NVML reads per GPU.", ("gpu",), "sidecar"),
+    # --- sidecar: quality prober --------------------------------------------------------
+    _m("stepwatch_quality_psnr_decibels", "gauge",
+       "PSNR of the last probe set against the baseline (quantile p50 or p10).",
+       ("probe_set", "instance_id", "quantile"), "sidecar"),
+    _m("stepwatch_quality_ssim_ratio", "gauge",
+       "SSIM of the last probe set against the baseline (quantile p50 or p10).",
+       ("probe_set", "instance_id", "quantile"), "sidecar"),
+    _m("stepwatch_quality_gate_decibels", "gauge", "PSNR gate of the probe set.", ("probe_set",), "sidecar"),
+    _m("stepwatch_quality_probe_duration_seconds", "histogram",
+       "Time to run one probe set.", ("probe_set",), "sidecar", DURATION_BUCKETS),
+    _m("stepwatch_quality_probe_runs_total", "counter", "Probe sets completed.", ("probe_set",), "sidecar"),
+    _m("stepwatch_quality_probe_failures_total", "counter",
+       "Probe requests that failed (target down, timeout, bad answer).", ("probe_set", "reason"), "sidecar"),
+    _m("stepwatch_quality_baseline_stale", "gauge",
+       "1 when the deployment fingerprint differs from the baseline's: no PSNR is reported.",
+       ("probe_set",), "sidecar"),
+    _m("stepwatch_quality_baseline_ok", "gauge",
+       "1 when the baseline loaded and its checksums match.", ("probe_set",), "sidecar"),
+    _m("stepwatch_quality_last_success_timestamp_seconds", "gauge",
+       "Unix time of the last completed probe set.", ("probe_set",), "sidecar"),
+)
+
+BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}
+
+_NAME_RE = re.compile(r"^stepwatch_[a-z]+_[a-z0-9_]+$")
+_UNITS = ("_seconds", "_bytes", "_ratio", "_total", "_flops", "_per_second", "_hertz", "_celsius",
+          "_watts", "_decibels", "_stale", "_ok", "_up", "_depth", "_ready", "_branches", "_active")
+
+
+def validate() -> None:
+    """Fail loudly at import time if the catalog breaks its own conventions."""
+    seen: set[str] = set()
+    for m in METRICS:
+        if m.name in seen:
+            raise ValueError(f"metric {m.name} defined twice")
+        seen.add(m.name)
+        if not _NAME_RE.match(m.name):
+            raise ValueError(f"metric {m.name} does not follow stepwatch_<subsystem>_<name>_<unit>")
+        if m.kind == "counter" and not m.name.endswith("_total"):
+            raise ValueError(f"counter {m.name} must end in _total")
+        if m.kind != "counter" and m.name.endswith("_total"):
+            raise ValueError(f"{m.kind} {m.name} must not end in _total")
+        if m.kind in ("counter", "gauge", "histogram") and not m.name.endswith(_UNITS):
+            raise ValueError(f"metric {m.name} has no unit suffix")
+        if m.kind == "histogram" and not m.buckets:
+            raise ValueError(f"histogram {m.name} needs buckets")
+
+
+def series_names(owner: Owner | None = None) -> set[str]:
+    """Every series name in an exposition, optionally for one owner."""
+    out: set[str] = set()
+    for m in METRICS:
+        if owner is None or m.owner == owner:
+            out.update(m.series_names())
+    return out
+
+
+validate()

@@ -1,0 +1,40 @@
+"""Build prometheus_client collectors from the catalog onto an injectable registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from stepwatch.catalog import METRICS, Owner
+
+
+class MetricSet:
+    """The collectors of one owner (exporter, service or sidecar) on one registry.
+
+    Attribute access uses the catalog name without the ``stepwatch_`` prefix,
+    e.g. ``ms.pipeline_step_duration_seconds``.
+    """
+
+    def __init__(self, registry: CollectorRegistry, owner: Owner) -> None:
+        self.registry = registry
+        self._by_name: dict[str, Any] = {}
+        for m in METRICS:
+            if m.owner != owner:
+                continue
+            c: Any
+            if m.kind == "counter":
+                c = Counter(m.name, m.help, m.labels, registry=registry)
+            elif m.kind == "gauge":
+                c = Gauge(m.name, m.help, m.labels, registry=registry)
+            elif m.kind == "histogram":
+                c = Histogram(m.name, m.help, m.labels, registry=registry, buckets=m.buckets)
+            else:
+                c = Info(m.name, m.help, m.labels, registry=registry)
+            self._by_name[m.name.removeprefix("stepwatch_")] = c
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self._by_name[key]
+        except KeyError:
+            raise AttributeError(key) from None
