@@ -121,7 +121,8 @@ def parse(data: Any, source: str = "<data>") -> Thresholds:
         gates_db=gates,
         default_gate=default_gate,
         alert_margin_db=_num(_need(q, "alert_margin_db", "quality"), "quality.alert_margin_db", 0, 50),
-        ssim_gate={str(k): _num(v, f"quality.ssim_gate.{k}", 0, 1) for k, v in _need(q, "ssim_gate", "quality").items()},
+        ssim_gate={str(k): _num(v, f"quality.ssim_gate.{k}", 0, 1)
+                   for k, v in _need(q, "ssim_gate", "quality").items()},
         video_psnr_gate_db=_num(_need(q, "video_psnr_gate_db", "quality"), "quality.video_psnr_gate_db", 0, 100),
         probe_budget_ratio=_num(_need(q, "probe_budget_ratio", "quality"), "quality.probe_budget_ratio", 0, 1),
     )
