@@ -189,6 +189,7 @@ class Instrumentation:
                 self._guard.fail("ledger.peak", e)
         m.device_peak_flops_per_second.labels(device=dev).set(self.peak_flops or 0)
         self._capacity_child = m.memory_capacity_bytes.labels(device=dev)
+        self._ratio_child = m.memory_peak_ratio.labels(device=dev)
         try:
             m.memory_capacity_bytes.labels(device=dev).set(self.memory.capacity_bytes())
         except Exception as e:
@@ -629,6 +630,7 @@ class Instrumentation:
             g.set(peak)
         if r.memory_capacity_bytes:
             self._capacity_child.set(r.memory_capacity_bytes)
+            self._ratio_child.observe(r.memory_peak_bytes.get("request", 0) / r.memory_capacity_bytes)
         if r.outcome == "oom":
             m.oom_total.labels(shape=shape, stage=r.failed_stage or "unknown").inc()
         if r.step_flops:

@@ -26,6 +26,9 @@ DURATION_BUCKETS: tuple[float, ...] = (
 # Position of a cache hit in the trajectory: step index / steps, deciles.
 POSITION_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 PSNR_BUCKETS: tuple[float, ...] = (10, 15, 20, 24, 26, 28, 30, 32, 35, 40, 50, 60, 100)
+# Peak memory / capacity per request.  0.9 is the memory alert's threshold and must stay a
+# boundary (validated by the rule generator); > 1 is an OOM's failed demand.
+MEMORY_RATIO_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.5)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_memory_peak_bytes", "gauge",
        "Peak memory of the last request per stage (and stage=request); on OOM, the demand that failed.",
        ("device", "stage")),
+    _m("stepwatch_memory_peak_ratio", "histogram",
+       "Peak memory / capacity of each request (on OOM, failed demand / capacity, so above 1).",
+       ("device",), buckets=MEMORY_RATIO_BUCKETS),
     _m("stepwatch_memory_capacity_bytes", "gauge",
        "Memory the peak is measured against (GPU total, or the worker's budget on CPU).", ("device",)),
     _m("stepwatch_oom_total", "counter", "Out-of-memory failures by stage.", ("shape", "stage")),

@@ -239,6 +239,8 @@ def test_memory_gauges(clean_flux: Any, registry: Any) -> None:
     for stage in ("text_encode", "denoise", "vae_decode"):
         assert 0 < value(data, "stepwatch_memory_peak_bytes", device="cpu", stage=stage) <= req_peak
     assert req_peak == max(v for k, v in r.memory_peak_bytes.items())
+    assert value(data, "stepwatch_memory_peak_ratio_count", device="cpu") == 1
+    assert value(data, "stepwatch_memory_peak_ratio_sum", device="cpu") == pytest.approx(req_peak / cap)
 
 
 def test_wan_video_family(wan_pipe: Any, registry: Any) -> None:

@@ -98,6 +98,8 @@ _OOM_SCRIPT = textwrap.dedent(
     out["next_shape"] = list(img.shape)
     data = scrape(reg)
     out["oom_vae"] = value(data, "stepwatch_oom_total", shape="2048x2048_2s", stage="vae_decode")
+    out["ratio_over_090"] = (value(data, "stepwatch_memory_peak_ratio_count", device="cpu")
+                             - value(data, "stepwatch_memory_peak_ratio_bucket", device="cpu", le="0.9"))
     out["outcomes"] = {o: value(data, "stepwatch_pipeline_requests_total", shape=s, outcome=o)
                        for s, o in [("2048x2048_2s", "ok"), ("2048x2048_2s", "oom")]}
     print(json.dumps(out))
@@ -116,6 +118,7 @@ def test_oom_under_memory_budget_is_counted_and_reraised() -> None:
     assert out["oom_ratio"] > 0.9  # the memory alert's threshold: demand passed 90% of capacity
     assert out["next_ok"] == "ok" and out["next_shape"] == [1, 512, 512, 3]
     assert out["oom_vae"] == 1
+    assert out["ratio_over_090"] >= 1  # the OOM request is in the alert's histogram tail
     assert out["outcomes"] == {"ok": 1, "oom": 1}
 
 
