@@ -1,0 +1,1 @@
+"""The sidecar: NVML GPU collector and sampled-quality prober (no torch needed)."""
