@@ -111,6 +111,7 @@ class StubPipeline:
 def hooks_cost(steps: int = 4, calls: int = 20000) -> dict[str, float]:
     """Per-request and per-step host cost of the hooks, bare vs instrumented stub, interleaved."""
     from prometheus_client import CollectorRegistry
+
     from stepwatch.exporter import instrument
 
     bare, inst = StubPipeline(), StubPipeline()
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from prometheus_client import CollectorRegistry
+
     from stepwatch.exporter import instrument
     from stepwatch.service.cache import apply_cache
     from stepwatch.service.pipeline import build_pipeline

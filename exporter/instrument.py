@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
+
 from stepwatch.exporter import caches, ledger, spans
 from stepwatch.exporter.clock import Clock, clock_for
 from stepwatch.exporter.compile_watch import WATCH
 from stepwatch.exporter.memory import MemoryProbe, is_oom, oom_requested_bytes, probe_for
 from stepwatch.exporter.report import CompileEvent, RequestReport
 from stepwatch.exporter.shapes import ShapeKey, ShapeLabeler
-
 from stepwatch.metrics import MetricSet
 
 log = logging.getLogger("stepwatch.exporter")

@@ -39,11 +39,11 @@ def _parse_size(text: str) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     import torch
     from prometheus_client import CollectorRegistry, start_http_server
+
     from stepwatch.exporter import instrument
+    from stepwatch.exposition import parse_exposition
     from stepwatch.service.cache import apply_cache
     from stepwatch.service.pipeline import build_pipeline
-
-    from stepwatch.exposition import parse_exposition
 
     sizes = [_parse_size(s) for s in args.shapes]
     registry = CollectorRegistry()

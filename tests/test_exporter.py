@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from stepwatch.exporter import OTHER, InstrumentOptions, instrument, uninstrument
 
+from stepwatch.exporter import OTHER, InstrumentOptions, instrument, uninstrument
 from tests.promtext import scrape, total, value
 
 
@@ -210,6 +210,7 @@ def test_ledger_and_mfu(clean_flux: Any, registry: Any) -> None:
 
 def test_ledger_matches_the_seeds_for_flux_dev() -> None:
     from diffusers import FluxTransformer2DModel
+
     from stepwatch.exporter.ledger import ledger_model, mfu, peak_flops_for
 
     with torch.device("meta"):

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from stepwatch.exporter import instrument
 
+from stepwatch.exporter import instrument
 from tests.promtext import scrape, value
 
 
@@ -22,6 +22,7 @@ def gen(pipe: Any, hw: int, steps: int = 2) -> Any:
 def _compile_case(backend: str, registry: Any) -> None:
     import torch._dynamo
     import torch._dynamo.utils as du
+
     from stepwatch.service.pipeline import build_pipeline
 
     torch._dynamo.reset()

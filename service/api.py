@@ -1,0 +1,128 @@
+"""Validation of the OpenAI-style images request: bad input gets a clear 4xx, never a crash.
+
+Errors follow OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
+Fields OpenAI clients send that we do not use (model, quality, style, user)
+are accepted and ignored; no request text ever becomes a metric label.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from stepwatch.service.config import ServiceConfig
+
+MAX_BODY_BYTES = 64 * 1024
+MAX_PROMPT_CHARS = 4000
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str = "invalid_request",
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    n: int
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+
+    @property
+    def size(self) -> str:
+        return f"{self.width}x{self.height}"
+
+    @property
+    def cfg(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    @property
+    def shape(self) -> str:
+        """The exporter's shape key for this request (height first)."""
+        return f"{self.height}x{self.width}_{self.steps}s" + ("_cfg" if self.cfg else "")
+
+
+def _bad(message: str, param: str | None, code: str = "invalid_value", status: int = 400) -> ApiError:
+    return ApiError(status, message, param, code)
+
+
+def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"'{key}' must be an integer, got {type(v).__name__}", key, "invalid_type")
+    if not lo <= v <= hi:
+        raise _bad(f"'{key}' must be between {lo} and {hi}, got {v}", key)
+    return v
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", None,
+                       "body_too_large")
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
+    if "prompt" not in body or body["prompt"] is None:
+        raise _bad("'prompt' is required", "prompt", "missing_required_parameter")
+    prompt = body["prompt"]
+    if not isinstance(prompt, str):
+        raise _bad(f"'prompt' must be a string, got {type(prompt).__name__}", "prompt", "invalid_type")
+    if not prompt.strip():
+        raise _bad("'prompt' must not be empty", "prompt")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise _bad(f"'prompt' is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}", "prompt")
+    n = _int(body, "n", 1, 1, cfg.max_n)
+    fmt = body.get("response_format", "b64_json")
+    if fmt is None:
+        fmt = "b64_json"
+    if fmt != "b64_json":
+        raise _bad(f"'response_format' {fmt!r} is not supported; use 'b64_json'", "response_format")
+    size = body.get("size", cfg.default_size)
+    if size is None:
+        size = cfg.default_size
+    if not isinstance(size, str):
+        raise _bad(f"'size' must be a string like '512x512', got {type(size).__name__}", "size", "invalid_type")
+    parts = size.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise _bad(f"'size' {size!r} is not WxH, e.g. '512x512'", "size", "invalid_size")
+    width, height = int(parts[0]), int(parts[1])
+    if width <= 0 or height <= 0 or width % 16 or height % 16:
+        raise _bad(f"'size' {size!r}: width and height must be positive multiples of 16", "size", "invalid_size")
+    if max(width, height) > cfg.max_side or width * height > cfg.max_pixels:
+        raise _bad(f"'size' {size!r} is over the maximum ({cfg.max_side} px per side, "
+                   f"{cfg.max_pixels} pixels)", "size", "size_too_large")
+    steps = _int(body, "steps", cfg.default_steps, 1, cfg.max_steps)
+    gs = body.get("guidance_scale", 1.0)
+    if gs is None:
+        gs = 1.0
+    if isinstance(gs, bool) or not isinstance(gs, (int, float)):
+        raise _bad(f"'guidance_scale' must be a number, got {type(gs).__name__}", "guidance_scale", "invalid_type")
+    if not 0.0 <= gs <= 30.0:
+        raise _bad(f"'guidance_scale' must be between 0 and 30, got {gs}", "guidance_scale")
+    seed = body.get("seed")
+    seed = random.randrange(2**32) if seed is None else _int(body, "seed", 0, 0, 2**32 - 1)
+    return GenerationRequest(prompt, n, width, height, steps, float(gs), seed)

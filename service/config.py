@@ -1,0 +1,269 @@
+"""The practice service's one YAML config, validated at start-up.
+
+A bad config exits with the offending key and the reason (ConfigError).  Every
+field has a default; ``service/default.yaml`` is the embedded default the demo
+and the drills run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stepwatch.service.cache import KINDS as CACHE_KINDS
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_MODES = ("regional", "full")
+_SIZE = re.compile(r"^(\d+)x(\d+)$")
+
+
+class ConfigError(ValueError):
+    """A bad config value; str() names the key and the reason."""
+
+
+def parse_size(text: Any, key: str = "size") -> tuple[int, int]:
+    """'WxH' -> (width, height)."""
+    m = _SIZE.match(str(text).strip().lower()) if isinstance(text, str) else None
+    if not m:
+        raise ConfigError(f"{key}: {text!r} is not a size like 512x512 (WxH)")
+    w, h = int(m.group(1)), int(m.group(2))
+    if w <= 0 or h <= 0 or w % 16 or h % 16:
+        raise ConfigError(f"{key}: {text!r} must be positive multiples of 16")
+    return w, h
+
+
+@dataclass
+class PoolConfig:
+    name: str
+    sizes: list[str]
+    slo_seconds: float
+    max_wait_seconds: float  # past this estimated wait: 429 + Retry-After
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = True
+    backend: str = "inductor"
+    mode: str = "regional"  # regional: compile the repeated blocks; full: the whole transformer
+
+
+@dataclass
+class CacheConfig:
+    kind: str = "first_block_cache"
+    threshold: float = 0.5
+
+
+@dataclass
+class QueueConfig:
+    policy: str = "spf"  # spf: shortest predicted first, with aging; fifo
+    aging: float = 1.0  # seconds of priority gained per second waited
+    max_queued: int = 256
+
+
+@dataclass
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    instance_id: str = ""  # default: hostname:port
+    family: str = "flux"
+    model: str | None = None  # a diffusers model directory; None: the tiny offline pipeline
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str | None = None
+    default_size: str = "512x512"
+    default_steps: int = 8
+    max_steps: int = 50
+    max_side: int = 2048
+    max_pixels: int = 2048 * 2048
+    max_n: int = 4
+    text_tokens: int = 32
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    warmup: list[str] = field(default_factory=lambda: ["512x512"])
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    vae_tiling: bool = True
+    memory_budget_mb: float | None = 700.0  # headroom above the warmed worker; None: no budget
+    pools: list[PoolConfig] = field(default_factory=list)
+    other_pool: PoolConfig = field(default_factory=lambda: PoolConfig("other", [], 60.0, 120.0))
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    admin_token: str | None = None
+    ranks: int = 1
+    baselines: str | None = None  # per-shape step time / hit-rate baselines published as gauges
+    request_timeout_seconds: float = 600.0
+
+    def pool_for(self, size: str) -> PoolConfig:
+        for p in self.pools:
+            if size in p.sizes:
+                return p
+        return self.other_pool
+
+    def all_pools(self) -> list[PoolConfig]:
+        return [*self.pools, self.other_pool]
+
+    def serving_shapes(self) -> list[str]:
+        """The exporter's label allowlist: every pool size at the default steps, CFG off and on."""
+        out = []
+        for p in self.pools:
+            for s in p.sizes:
+                w, h = parse_size(s)
+                out += [f"{h}x{w}_{self.default_steps}s", f"{h}x{w}_{self.default_steps}s_cfg"]
+        return out
+
+    def to_raw(self) -> dict[str, Any]:
+        """A dict that parse() turns back into this config (sent to the worker process)."""
+        d = asdict(self)
+        d["pools"] = {p["name"]: {"sizes": p["sizes"], "slo_seconds": p["slo_seconds"],
+                                  "max_wait_seconds": p["max_wait_seconds"]} for p in d["pools"]}
+        other = d["other_pool"]
+        d["other_pool"] = {"slo_seconds": other["slo_seconds"], "max_wait_seconds": other["max_wait_seconds"]}
+        return d
+
+
+def _check_type(value: Any, typ: type | tuple[type, ...], key: str) -> Any:
+    if isinstance(value, bool) and typ in (int, float, (int, float)):
+        raise ConfigError(f"{key}: {value!r} is not a number")
+    if not isinstance(value, typ):
+        names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+        raise ConfigError(f"{key}: {value!r} is not {names}")
+    return value
+
+
+def _section(cls: type, raw: Any, key: str) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}: expected a mapping")
+    fields = {f.name: f for f in cls.__dataclass_fields__.values()}  # type: ignore[attr-defined]
+    for k in raw:
+        if k not in fields:
+            raise ConfigError(f"{key}.{k}: unknown key (known: {', '.join(fields)})")
+    return cls(**raw)
+
+
+def parse(raw: Any) -> ServiceConfig:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("<top>: expected a mapping")
+    known = ServiceConfig.__dataclass_fields__
+    for k in raw:
+        if k not in known:
+            raise ConfigError(f"{k}: unknown key")
+    raw = dict(raw)
+    nested = {
+        "compile": _section(CompileConfig, raw.pop("compile", None), "compile"),
+        "cache": _section(CacheConfig, raw.pop("cache", None), "cache"),
+        "queue": _section(QueueConfig, raw.pop("queue", None), "queue"),
+    }
+    pools_raw = raw.pop("pools", None) or {}
+    other_raw = raw.pop("other_pool", None)
+    cfg = ServiceConfig(**raw, **nested)
+    if not isinstance(pools_raw, dict):
+        raise ConfigError("pools: expected a mapping of pool name -> {sizes, slo_seconds}")
+    for name, p in pools_raw.items():
+        cfg.pools.append(_pool(str(name), p, f"pools.{name}"))
+    if other_raw is not None:
+        cfg.other_pool = _pool("other", {"sizes": [], **other_raw}, "other_pool")
+    validate(cfg)
+    return cfg
+
+
+def _pool(name: str, p: Any, key: str) -> PoolConfig:
+    if not isinstance(p, dict):
+        raise ConfigError(f"{key}: expected a mapping with sizes and slo_seconds")
+    for k in p:
+        if k not in ("sizes", "slo_seconds", "max_wait_seconds"):
+            raise ConfigError(f"{key}.{k}: unknown key")
+    if not re.match(r"^[a-z][a-z0-9_]{0,31}$", name):
+        raise ConfigError(f"{key}: pool names are lowercase identifiers (a label value)")
+    sizes = p.get("sizes", [])
+    if not isinstance(sizes, list):
+        raise ConfigError(f"{key}.sizes: expected a list of WxH sizes")
+    for i, s in enumerate(sizes):
+        parse_size(s, f"{key}.sizes[{i}]")
+    slo = float(_check_type(p.get("slo_seconds", 60.0), (int, float), f"{key}.slo_seconds"))
+    if slo <= 0:
+        raise ConfigError(f"{key}.slo_seconds: must be > 0")
+    max_wait = float(_check_type(p.get("max_wait_seconds", 2 * slo), (int, float), f"{key}.max_wait_seconds"))
+    if max_wait < slo / 2:
+        raise ConfigError(f"{key}.max_wait_seconds: {max_wait} is below SLO/2 = {slo / 2}: it would reject "
+                          "before the queue-wait alert could fire")
+    return PoolConfig(name, [str(s).lower() for s in sizes], slo, max_wait)
+
+
+def validate(cfg: ServiceConfig) -> None:
+    _check_type(cfg.host, str, "host")
+    _check_type(cfg.port, int, "port")
+    if not 0 <= cfg.port < 65536:
+        raise ConfigError(f"port: {cfg.port} out of range")
+    if cfg.family not in ("flux", "wan"):
+        raise ConfigError(f"family: {cfg.family!r} is not flux or wan")
+    if cfg.model is not None and not (Path(cfg.model) / "model_index.json").is_file():
+        raise ConfigError(f"model: {cfg.model} is not a diffusers model directory (no model_index.json)")
+    parse_size(cfg.default_size, "default_size")
+    for key in ("default_steps", "max_steps", "max_side", "max_pixels", "max_n", "text_tokens", "ranks", "seed"):
+        _check_type(getattr(cfg, key), int, key)
+    if not 1 <= cfg.default_steps <= cfg.max_steps:
+        raise ConfigError(f"default_steps: must be within 1..max_steps ({cfg.max_steps})")
+    if cfg.ranks not in (1, 2):
+        raise ConfigError(f"ranks: {cfg.ranks} is not 1 or 2")
+    if cfg.max_n < 1:
+        raise ConfigError("max_n: must be >= 1")
+    if cfg.compile.backend not in COMPILE_BACKENDS:
+        raise ConfigError(f"compile.backend: {cfg.compile.backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
+    if cfg.compile.mode not in COMPILE_MODES:
+        raise ConfigError(f"compile.mode: {cfg.compile.mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    _check_type(cfg.compile.enabled, bool, "compile.enabled")
+    if cfg.cache.kind not in CACHE_KINDS:
+        raise ConfigError(f"cache.kind: {cfg.cache.kind!r} is not one of {', '.join(CACHE_KINDS)}")
+    _check_type(cfg.cache.threshold, (int, float), "cache.threshold")
+    _check_type(cfg.vae_tiling, bool, "vae_tiling")
+    if cfg.memory_budget_mb is not None:
+        _check_type(cfg.memory_budget_mb, (int, float), "memory_budget_mb")
+        if cfg.memory_budget_mb <= 0:
+            raise ConfigError("memory_budget_mb: must be > 0 (or null for no budget)")
+    if cfg.queue.policy not in ("spf", "fifo"):
+        raise ConfigError(f"queue.policy: {cfg.queue.policy!r} is not spf or fifo")
+    _check_type(cfg.queue.aging, (int, float), "queue.aging")
+    _check_type(cfg.queue.max_queued, int, "queue.max_queued")
+    if not isinstance(cfg.warmup, list):
+        raise ConfigError("warmup: expected a list of WxH sizes")
+    for i, s in enumerate(cfg.warmup):
+        w, h = parse_size(s, f"warmup[{i}]")
+        if max(w, h) > cfg.max_side:
+            raise ConfigError(f"warmup[{i}]: {s} is larger than max_side {cfg.max_side}")
+    seen: set[str] = set()
+    for p in cfg.pools:
+        for s in p.sizes:
+            if s in seen:
+                raise ConfigError(f"pools.{p.name}.sizes: {s} is in two pools")
+            seen.add(s)
+    if cfg.admin_token is not None and (not isinstance(cfg.admin_token, str) or len(cfg.admin_token) < 8):
+        raise ConfigError("admin_token: must be a string of at least 8 characters (or null: admin off)")
+
+
+def default_path() -> Path:
+    return Path(str(resources.files("stepwatch.service") / "default.yaml"))
+
+
+def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServiceConfig:
+    """The config at ``path`` (default: the embedded default), with top-level overrides applied."""
+    p = Path(path) if path is not None else default_path()
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML ({e})") from None
+    raw = dict(raw or {})
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            raw[k] = v
+    try:
+        return parse(raw)
+    except TypeError as e:  # a wrong field in a nested dataclass
+        raise ConfigError(f"{p}: {e}") from None

@@ -1,0 +1,308 @@
+"""The practice service over real HTTP: one service per module, knobs restored after each test."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from tests.promtext import total, value
+from tests.servicefixture import ADMIN_TOKEN, ServiceProc
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
+    s = ServiceProc(tmp_path_factory.mktemp("svc"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def restore(svc: ServiceProc) -> Iterator[None]:
+    yield
+    status, body, _ = svc.knobs(cache="first_block_cache", cache_threshold=0.5, vae_tiling=True)
+    assert status == 200, body
+
+
+def png(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def test_warmed_shape_serves_without_compiling(svc: ServiceProc) -> None:
+    before = svc.metrics()
+    status, body, _ = svc.generate(size="256x256", seed=3)
+    assert status == 200, body
+    img = png(body["data"][0]["b64_json"])
+    assert img.size == (256, 256) and img.mode == "RGB"
+    sw = body["stepwatch"]
+    assert sw["shape"] == "256x256_4s" and sw["pool"] == "small" and sw["steps"] == 4
+    assert set(sw["stages"]) == {"text_encode", "denoise", "vae_decode"}
+    assert sw["fingerprint_id"] and sw["instance_id"]
+    after = svc.metrics()
+    assert total(after, "stepwatch_compile_total", phase="serving") == total(before, "stepwatch_compile_total",
+                                                                             phase="serving")
+    assert total(after, "stepwatch_compile_total", shape="256x256_4s", phase="warmup") >= 1
+    assert value(after, "stepwatch_pipeline_step_duration_seconds_count", shape="256x256_4s") - value(
+        before, "stepwatch_pipeline_step_duration_seconds_count", shape="256x256_4s") == 4
+    # Same seed, same deployment -> the same image.
+    status2, body2, _ = svc.generate(size="256x256", seed=3)
+    assert status2 == 200 and body2["data"][0]["b64_json"] == body["data"][0]["b64_json"]
+
+
+def test_unwarmed_shape_compiles_while_serving(svc: ServiceProc) -> None:
+    before = svc.metrics()
+    status, body, _ = svc.generate(size="320x320", seed=1)
+    assert status == 200, body
+    after = svc.metrics()
+    new = value(after, "stepwatch_compile_total", shape="320x320_4s", phase="serving") - value(
+        before, "stepwatch_compile_total", shape="320x320_4s", phase="serving")
+    assert new >= 1
+    status, body, _ = svc.generate(size="320x320", seed=2)
+    again = svc.metrics()
+    assert value(again, "stepwatch_compile_total", shape="320x320_4s", phase="serving") == value(
+        after, "stepwatch_compile_total", shape="320x320_4s", phase="serving")  # compiled once
+
+
+def test_cache_knob_changes_the_hit_rate(svc: ServiceProc, restore: None) -> None:
+    def hits_of(n: int) -> tuple[int, int]:
+        h = m = 0
+        for seed in range(n):
+            status, body, _ = svc.generate(size="256x256", seed=seed, steps=8)
+            assert status == 200, body
+            h += body["stepwatch"]["cache"]["hits"]
+            m += body["stepwatch"]["cache"]["misses"]
+        return h, m
+
+    low_hits, _ = hits_of(3)
+    status, body, _ = svc.knobs(cache_threshold=5.0)
+    assert status == 200 and body["knobs"]["cache_threshold"] == 5.0
+    before = svc.metrics()
+    high_hits, _ = hits_of(3)
+    after = svc.metrics()
+    assert high_hits > low_hits
+    assert high_hits == 3 * 6  # every step but the first and the last reuses the cache
+    assert total(after, "stepwatch_cache_decisions_total", decision="hit") - total(
+        before, "stepwatch_cache_decisions_total", decision="hit") == high_hits
+    info = svc.get("/v1/stepwatch/info")[1]
+    assert info["knobs"]["cache_threshold"] == 5.0
+    cfg_info = [ls for (n, ls) in after if n == "stepwatch_service_config_info"]
+    assert len(cfg_info) == 1 and ("cache_threshold", "5.0") in cfg_info[0]
+
+
+def test_vae_tiling_off_oom_fails_the_request_and_the_next_succeeds(svc: ServiceProc, restore: None) -> None:
+    status, body, _ = svc.knobs(vae_tiling=False)
+    assert status == 200
+    before = svc.metrics()
+    status, body, _ = svc.generate(size="2048x2048", steps=1)
+    assert status == 507, body
+    msg = body["error"]["message"]
+    assert "out of memory in vae_decode" in msg and "2048x2048" in msg and "enable VAE tiling" in msg
+    assert body["error"]["code"] == "out_of_memory"
+    status, body, _ = svc.generate(size="256x256")
+    assert status == 200
+    after = svc.metrics()
+    assert total(after, "stepwatch_oom_total", stage="vae_decode") - total(before, "stepwatch_oom_total",
+                                                                           stage="vae_decode") == 1
+    assert value(after, "stepwatch_service_requests_total", pool="large", code="507") - value(
+        before, "stepwatch_service_requests_total", pool="large", code="507") == 1
+    assert value(after, "stepwatch_worker_restarts_total") == value(before, "stepwatch_worker_restarts_total")
+    # The same size with tiling on fits the budget.
+    svc.knobs(vae_tiling=True)
+    status, body, _ = svc.generate(size="2048x2048", steps=1)
+    assert status == 200, body
+
+
+@pytest.mark.parametrize("body,status,message", [
+    (None, 400, "request body is not valid JSON"),
+    ({"size": "256x256"}, 400, "'prompt' is required"),
+    ({"prompt": "a", "size": "250x256"}, 400, "'size' '250x256': width and height must be positive multiples of 16"),
+    ({"prompt": "a", "size": "4096x4096"}, 400, "'size' '4096x4096' is over the maximum"),
+    ({"prompt": "a", "n": 7}, 400, "'n' must be between 1 and 4, got 7"),
+    ({"prompt": "a", "n": "two"}, 400, "'n' must be an integer, got str"),
+    ({"prompt": ["a"]}, 400, "'prompt' must be a string, got list"),
+    ({"prompt": "a", "response_format": "url"}, 400, "'response_format' 'url' is not supported"),
+])
+def test_bad_input_gets_its_exact_4xx(svc: ServiceProc, body: Any, status: int, message: str) -> None:
+    raw = b"{not json" if body is None else None
+    got, answer, _ = svc.request("POST", "/v1/images/generations", body, raw=raw)
+    assert got == status
+    assert answer["error"]["message"].startswith(message), answer
+
+
+def test_http_errors_and_admin_guard(svc: ServiceProc) -> None:
+    assert svc.get("/nope")[0] == 404
+    assert svc.get("/v1/images/generations")[0] == 405
+    assert svc.get("/healthz")[0] == 200 and svc.get("/readyz")[0] == 200
+    st, body, _ = svc.request("POST", "/admin/knobs", {"vae_tiling": True}, {"Authorization": "Bearer wrong"})
+    assert st == 401
+    st, body, _ = svc.request("POST", "/admin/knobs", {"vae_tiling": True})
+    assert st == 401
+    st, body, _ = svc.knobs(colour="blue")
+    assert st == 400 and "unknown knob 'colour'" in body["error"]["message"]
+    st, body, _ = svc.knobs(vae_tiling="yes")
+    assert st == 400 and "wrong type" in body["error"]["message"]
+    st, body, _ = svc.knobs(cache="teacache")
+    assert st == 400
+    st, body, _ = svc.knobs(rank_delay_seconds={"1": 0.5})  # one rank only
+    assert st == 400 and "rank_delay_seconds" in body["error"]["message"]
+
+
+def test_openai_client(svc: ServiceProc) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=svc.url + "/v1", api_key="unused")
+    res = client.images.generate(prompt="a red bicycle", n=2, size="256x256", response_format="b64_json",
+                                 extra_body={"seed": 5, "steps": 4})
+    assert len(res.data) == 2
+    for d in res.data:
+        assert d.b64_json is not None and png(d.b64_json).size == (256, 256)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.images.generate(prompt="a red bicycle", size="250x250", response_format="b64_json")  # type: ignore
+    assert "multiples of 16" in str(e.value)
+
+
+@pytest.mark.heavy
+def test_twenty_ooms_in_a_row_keep_serving_and_memory_flat(svc: ServiceProc, restore: None) -> None:
+    svc.generate(size="256x256")
+    rss0 = svc.get("/v1/stepwatch/info")[1]["worker"]["rss_bytes"]
+    svc.knobs(vae_tiling=False)
+    for _ in range(20):
+        status, body, _ = svc.generate(size="2048x2048", steps=1)
+        assert status == 507, body
+    status, _, _ = svc.generate(size="256x256")
+    assert status == 200
+    info = svc.get("/v1/stepwatch/info")[1]
+    rss1 = info["worker"]["rss_bytes"]
+    assert abs(rss1 - rss0) <= 0.10 * rss0, (rss0, rss1)
+    m = svc.metrics()
+    assert value(m, "stepwatch_worker_restarts_total") == 0
+
+
+@pytest.mark.heavy
+def test_load_every_request_answered_and_counted(svc: ServiceProc) -> None:
+    before = svc.metrics()
+    results: list[int] = []
+    lock = threading.Lock()
+    stop = time.time() + 60
+    sizes = ["256x256", "320x320", "256x256", "512x512"]
+
+    def client(i: int) -> None:
+        k = 0
+        while time.time() < stop:
+            status, body, headers = svc.generate(size=sizes[(i + k) % len(sizes)], seed=k, steps=4)
+            assert status in (200, 429, 507), body
+            if status == 429:
+                assert int(headers["Retry-After"]) >= 1
+                time.sleep(0.2)
+            with lock:
+                results.append(status)
+            k += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    time.sleep(1.5)  # gauges refresh every second
+    after = svc.metrics()
+    served = total(after, "stepwatch_service_requests_total") - total(before, "stepwatch_service_requests_total")
+    ok = sum(1 for s in results if s == 200)
+    assert served == len(results) and ok > 0
+    assert total(after, "stepwatch_service_requests_total", code="200") - total(
+        before, "stepwatch_service_requests_total", code="200") == ok
+    for pool in ("small", "large", "other"):
+        assert value(after, "stepwatch_queue_depth", pool=pool) == 0
+        assert value(after, "stepwatch_queue_estimated_wait_seconds", pool=pool) == 0
+    assert value(after, "stepwatch_queue_wait_seconds_count", pool="small") > value(
+        before, "stepwatch_queue_wait_seconds_count", pool="small")
+
+
+@pytest.mark.heavy
+def test_worker_death_fails_in_flight_and_restarts(tmp_path: Path) -> None:
+    s = ServiceProc(tmp_path, {"warmup": ["256x256"]})
+    try:
+        pid = s.get("/v1/stepwatch/info")[1]["worker"]["pid"]
+        result: dict[str, Any] = {}
+
+        def slow() -> None:
+            result["r"] = s.generate(size="2048x2048", steps=6)
+
+        t = threading.Thread(target=slow)
+        t.start()
+        time.sleep(2.0)
+        os.kill(pid, signal.SIGKILL)
+        t.join(timeout=120)
+        status, body, headers = result["r"]
+        assert status == 503 and "worker died" in body["error"]["message"] and "SIGKILL" in body["error"]["message"]
+        assert headers.get("Retry-After")
+        s.wait_ready(240)
+        status, body, _ = s.generate(size="256x256")
+        assert status == 200
+        m = s.metrics()
+        assert value(m, "stepwatch_worker_restarts_total") == 1
+        assert value(m, "stepwatch_worker_up") == 1
+        assert s.get("/v1/stepwatch/info")[1]["worker"]["pid"] != pid
+    finally:
+        s.close()
+
+
+@pytest.mark.heavy
+def test_overload_gets_429_with_retry_after(tmp_path: Path) -> None:
+    s = ServiceProc(tmp_path, {"compile": {"enabled": False}, "warmup": ["256x256"],
+                               "pools": {"small": {"sizes": ["256x256"], "slo_seconds": 0.4,
+                                                   "max_wait_seconds": 0.4}}})
+    try:
+        results: list[tuple[int, dict[str, str]]] = []
+        lock = threading.Lock()
+
+        def burst() -> None:
+            st, _, headers = s.generate(size="256x256", steps=8)
+            with lock:
+                results.append((st, headers))
+
+        threads = [threading.Thread(target=burst) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        codes = [c for c, _ in results]
+        assert len(codes) == 16 and set(codes) <= {200, 429}
+        assert codes.count(429) >= 1 and codes.count(200) >= 1
+        assert all(int(h["Retry-After"]) >= 1 for c, h in results if c == 429)
+        m = s.metrics()
+        assert value(m, "stepwatch_queue_rejected_total", pool="small") == codes.count(429)
+        assert value(m, "stepwatch_service_requests_total", pool="small", code="429") == codes.count(429)
+    finally:
+        s.close()
+
+
+def test_bad_config_exits_with_the_key(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("compile: {backend: tvm}\n")
+    p = subprocess.run([sys.executable, "-m", "stepwatch.cli", "serve", "--config", str(bad)], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2
+    assert "compile.backend: 'tvm' is not one of inductor, aot_eager, eager" in p.stdout + p.stderr
+
+
+def test_admin_is_off_without_a_token(tmp_path: Path) -> None:
+    s = ServiceProc(tmp_path, {"admin_token": None, "compile": {"enabled": False}, "warmup": []})
+    try:
+        st, body, _ = s.request("POST", "/admin/knobs", {"vae_tiling": False},
+                                {"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        assert st == 404 and "admin endpoint is off" in body["error"]["message"]
+    finally:
+        s.close()

@@ -1,0 +1,182 @@
+"""Service building blocks without processes: config validation, request validation, admission."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from stepwatch.service import api
+from stepwatch.service.config import ConfigError, PoolConfig, load, parse
+from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Scheduler
+
+
+def test_embedded_default_config_is_valid() -> None:
+    cfg = load()
+    assert cfg.port == 8000 and cfg.host == "127.0.0.1"
+    assert cfg.pool_for("512x512").name == "small" and cfg.pool_for("2048x2048").name == "large"
+    assert cfg.pool_for("384x384").name == "other"
+    assert "512x512_8s" in cfg.serving_shapes() and "512x512_8s_cfg" in cfg.serving_shapes()
+    assert parse(cfg.to_raw()) == cfg  # what the worker receives parses back identically
+
+
+@pytest.mark.parametrize("raw,key", [
+    ({"port": "80"}, "port"),
+    ({"compile": {"backend": "tvm"}}, "compile.backend"),
+    ({"compile": {"speed": 1}}, "compile.speed"),
+    ({"cache": {"kind": "teacache"}}, "cache.kind"),
+    ({"warmup": ["500x500"]}, "warmup[0]"),
+    ({"pools": {"small": {"sizes": ["256x256"], "slo_seconds": -1}}}, "pools.small.slo_seconds"),
+    ({"pools": {"a": {"sizes": ["256x256"]}, "b": {"sizes": ["256x256"]}}}, "pools.b.sizes"),
+    ({"pools": {"Big Pool": {"sizes": []}}}, "pools.Big Pool"),
+    ({"ranks": 3}, "ranks"),
+    ({"admin_token": "short"}, "admin_token"),
+    ({"memory_budget_mb": 0}, "memory_budget_mb"),
+    ({"colour": "blue"}, "colour"),
+    ({"model": "/nonexistent/model"}, "model"),
+])
+def test_bad_config_names_the_key(raw: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse(raw)
+    assert str(e.value).startswith(key + ":") or str(e.value).startswith(key + " "), str(e.value)
+
+
+def test_config_file_errors(tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("port: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load(bad)
+
+
+CFG = parse({"max_n": 4, "max_side": 2048, "default_size": "512x512", "default_steps": 8})
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({}, "prompt", "missing_required_parameter"),
+    ({"prompt": 3}, "prompt", "invalid_type"),
+    ({"prompt": "  "}, "prompt", "invalid_value"),
+    ({"prompt": "x" * 5000}, "prompt", "invalid_value"),
+    ({"prompt": "a", "size": "250x256"}, "size", "invalid_size"),
+    ({"prompt": "a", "size": "big"}, "size", "invalid_size"),
+    ({"prompt": "a", "size": 512}, "size", "invalid_type"),
+    ({"prompt": "a", "size": "4096x4096"}, "size", "size_too_large"),
+    ({"prompt": "a", "n": 0}, "n", "invalid_value"),
+    ({"prompt": "a", "n": 9}, "n", "invalid_value"),
+    ({"prompt": "a", "n": "2"}, "n", "invalid_type"),
+    ({"prompt": "a", "n": True}, "n", "invalid_type"),
+    ({"prompt": "a", "steps": 0}, "steps", "invalid_value"),
+    ({"prompt": "a", "guidance_scale": "high"}, "guidance_scale", "invalid_type"),
+    ({"prompt": "a", "seed": -1}, "seed", "invalid_value"),
+    ({"prompt": "a", "response_format": "url"}, "response_format", "invalid_value"),
+])
+def test_bad_requests_get_400_with_the_field(body: dict[str, Any], param: str, code: str) -> None:
+    with pytest.raises(api.ApiError) as e:
+        api.validate(body, CFG)
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code)
+    assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_good_request_defaults_and_shape() -> None:
+    r = api.validate({"prompt": "a cat", "size": "1024x768", "guidance_scale": 3.5, "seed": 7,
+                      "model": "ignored", "quality": "hd"}, CFG)
+    assert (r.width, r.height, r.steps, r.n, r.seed) == (1024, 768, 8, 1, 7)
+    assert r.shape == "768x1024_8s_cfg" and r.size == "1024x768"
+    with pytest.raises(api.ApiError) as e:
+        api.parse_json(b"{not json")
+    assert e.value.status == 400 and e.value.code == "invalid_json"
+    with pytest.raises(api.ApiError) as e:
+        api.parse_json(b"[1, 2]")
+    assert e.value.code == "invalid_json"
+    with pytest.raises(api.ApiError) as e:
+        api.parse_json(b" " * (api.MAX_BODY_BYTES + 1))
+    assert e.value.status == 413
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def req(size: int, steps: int = 8) -> api.GenerationRequest:
+    return api.GenerationRequest("p", 1, size, size, steps, 1.0, 0)
+
+
+def make_scheduler(clock: FakeClock, policy: str = "spf", aging: float = 1.0) -> Scheduler:
+    pred = Predictor()
+    for size, sec in ((256, 1.0), (512, 4.0), (1024, 16.0)):
+        for _ in range(3):
+            pred.observe(req(size), sec, {})
+    pools = [PoolConfig("small", ["256x256", "512x512"], 10, 40), PoolConfig("large", ["1024x1024"], 60, 120)]
+    return Scheduler(pools, pred, policy, aging, clock=clock)
+
+
+def test_shortest_predicted_first() -> None:
+    clock = FakeClock()
+    s = make_scheduler(clock)
+    big = s.submit(req(1024), "large")
+    mid = s.submit(req(512), "small")
+    small = s.submit(req(256), "small")
+    assert [s.take(0), s.take(0), s.take(0)] == [small, mid, big]
+
+
+def test_aging_prevents_starvation() -> None:
+    clock = FakeClock()
+    s = make_scheduler(clock)
+    big = s.submit(req(1024), "large")  # predicted 16 s
+    clock.t += 20  # it has waited 20 s: priority 16 - 20 = -4
+    s.submit(req(256), "small")  # predicted 1 s, priority 1
+    assert s.take(0) is big
+
+
+def test_fifo_policy() -> None:
+    clock = FakeClock()
+    s = make_scheduler(clock, policy="fifo")
+    big = s.submit(req(1024), "large")
+    small = s.submit(req(256), "small")
+    assert [s.take(0), s.take(0)] == [big, small]
+
+
+def test_estimated_wait_and_hard_limit() -> None:
+    clock = FakeClock()
+    s = make_scheduler(clock)
+    s.submit(req(512), "small")  # 4 s
+    s.submit(req(512), "small")  # 4 s
+    s.submit(req(1024), "large")  # 16 s
+    snap = s.snapshot()
+    # A typical small request waits for the two small ones (the large one goes after it).
+    assert snap["small"]["estimated_wait"] == pytest.approx(8.0)
+    # A typical large request waits for everything queued (its own pool and the shorter ones).
+    assert snap["large"]["estimated_wait"] == pytest.approx(24.0)
+    assert snap["small"]["depth"] == 2 and snap["large"]["depth"] == 1
+    t = s.take(0)
+    assert t is not None and t.predicted == pytest.approx(4.0)
+    clock.t += 1  # in flight for 1 s: 3 s left
+    assert s.snapshot()["small"]["estimated_wait"] == pytest.approx(3.0 + 4.0)
+    # Fill the small pool to 3 + 10 x 4 = 43 s of wait, past its 40 s limit: refused with a retry hint.
+    for _ in range(9):
+        s.submit(req(512), "small")
+    with pytest.raises(QueueFull) as e:
+        s.submit(req(512), "small")
+    assert e.value.estimated_wait == pytest.approx(43.0) and e.value.retry_after == 3
+    s.done(t)
+
+
+def test_predictor_uses_ledger_for_unseen_shapes() -> None:
+    pred = Predictor()
+    pred.ledger = LedgerParams(p_tok=1e6, layers=2, hidden=32, patch=(1, 2, 2), cross_attention=False, vae_scale=8,
+                               text_tokens=32)
+    r256 = req(256)
+    flops = pred.ledger.step_flops(256, 256, False) * 8
+    pred.observe(r256, 2.0, {"denoise": 1.0})
+    # Unseen 512^2: denoise scales with FLOPs at the observed rate, the rest with pixels.
+    r512 = req(512)
+    expected = pred.ledger.step_flops(512, 512, False) * 8 / flops + 1.0 * 4
+    assert pred.predict(r512) == pytest.approx(expected)
+    for _ in range(3):
+        pred.observe(r512, 9.0, {"denoise": 5.0})
+    assert pred.predict(r512) == 9.0  # enough observations: the shape's median wins
