@@ -68,7 +68,7 @@ class WorkerHandle:
         if cfg.ranks > 1:
             from stepwatch.service.ranks import ranks_main
 
-            proc = ctx.Process(target=ranks_main, args=(cfg.to_raw(), child, cfg.ranks), daemon=True,
+            proc = ctx.Process(target=ranks_main, args=(cfg.to_raw(), child, cfg.ranks), daemon=False,
                                name="stepwatch-worker")
         else:
             from stepwatch.service.worker import worker_main

@@ -103,6 +103,11 @@ class Worker:
         t0 = time.perf_counter()
         self.pipe = build_pipeline(cfg.family, model=cfg.model, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
         self._weights = weights_digest(self.pipe)
+        if self.world > 1:
+            from diffusers import ContextParallelConfig
+
+            self.pipe.transformer.set_attention_backend("native")
+            self.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=self.world))
         registry = CollectorRegistry()
         rank_reporter = None
         if self.world > 1:
@@ -229,9 +234,8 @@ class Worker:
         from PIL import Image
 
         from stepwatch.exporter.memory import is_oom
-        from stepwatch.service.api import GenerationRequest
 
-        req = GenerationRequest(**msg["request"])
+        req = _request(msg)
         t = time.perf_counter()
         try:
             out = self._run(req)
@@ -267,6 +271,8 @@ class Worker:
             "stages": dict(rep.stages) if rep else {}, "steps": len(rep.step_seconds) if rep else req.steps,
             "cache": {"kind": rep.cache, "hits": rep.hits, "misses": rep.misses} if rep else None,
             "compiles": len(rep.compiles) if rep else 0, "rss_bytes": _vm().get("VmRSS", 0),
+            "ranks": {"step_seconds": rep.extra.get("rank_step_seconds"), "skew": rep.extra.get("rank_skew")}
+            if rep and "rank_skew" in rep.extra else None,
         }
 
     def info(self) -> dict[str, Any]:
@@ -275,13 +281,38 @@ class Worker:
                 "budget_bytes": self.budget.limit, "knobs": dict(self.knobs), "fingerprint": self.fingerprint()}
 
     # ----- loop -----------------------------------------------------------------------------
+    def _broadcast(self, msg: dict[str, Any] | None) -> dict[str, Any]:
+        """Rank 0 sends the message to the other ranks; they receive it (one small collective)."""
+        import torch.distributed as dist
+
+        box = [msg]
+        dist.broadcast_object_list(box, src=0)
+        return box[0] or {"op": "shutdown"}
+
+    def serve_follower(self) -> None:
+        """Ranks > 0: run what rank 0 runs, in the same order; only rank 0 answers."""
+        while True:
+            msg = self._broadcast(None)
+            op = msg.get("op")
+            if op == "shutdown":
+                return
+            try:
+                if op == "generate":
+                    self._run(_request(msg))
+                elif op == "knobs":
+                    self.apply_knobs(msg["knobs"])
+            except Exception:
+                log.exception("rank %d failed on %s", self.rank, op)
+
     def serve(self) -> None:
         while True:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
-                return
+                msg = {"op": "shutdown"}
             op = msg.get("op")
+            if self.world > 1 and op in ("generate", "knobs", "shutdown"):
+                self._broadcast(msg)
             if op == "shutdown":
                 return
             try:
@@ -298,6 +329,12 @@ class Worker:
                 reply = {"op": "error", "id": msg.get("id"), "kind": "internal",
                          "message": traceback.format_exc(limit=3)[-600:]}
             self.conn.send(reply)
+
+
+def _request(msg: dict[str, Any]) -> Any:
+    from stepwatch.service.api import GenerationRequest
+
+    return GenerationRequest(**msg["request"])
 
 
 def _oom_message(stage: str | None, req: Any, knobs: dict[str, Any]) -> str:

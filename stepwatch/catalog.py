@@ -98,6 +98,10 @@ METRICS: tuple[MetricDef, ...] = (
        "Mean step time of each rank in the last request.", ("rank",)),
     _m("stepwatch_rank_skew_ratio", "gauge",
        "(max - min) / min of the ranks' mean step time in the last request.", ()),
+    _m("stepwatch_rank_busy_seconds_total", "counter",
+       "Per rank: step time spent working (step wall time minus collective waits); / steps = busy per step.",
+       ("rank",)),
+    _m("stepwatch_rank_steps_total", "counter", "Per rank: denoising steps run.", ("rank",)),
     _m("stepwatch_baseline_step_duration_seconds", "gauge",
        "Per-step time baseline of a shape, from the deployment's baseline file.", ("shape",)),
     _m("stepwatch_baseline_cache_hit_ratio", "gauge",
@@ -159,6 +163,9 @@ METRICS: tuple[MetricDef, ...] = (
        "1 when the baseline loaded and its checksums match.", ("probe_set",), "sidecar"),
     _m("stepwatch_quality_last_success_timestamp_seconds", "gauge",
        "Unix time of the last completed probe set.", ("probe_set",), "sidecar"),
+    _m("stepwatch_quality_probe_interval_seconds", "gauge",
+       "Current cadence of the probe set: seconds between runs (the probe-failing alert's clock).",
+       ("probe_set",), "sidecar"),
 )
 
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}

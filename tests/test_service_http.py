@@ -306,3 +306,36 @@ def test_admin_is_off_without_a_token(tmp_path: Path) -> None:
         assert st == 404 and "admin endpoint is off" in body["error"]["message"]
     finally:
         s.close()
+
+
+@pytest.mark.heavy
+def test_two_ranks_report_and_a_delayed_rank_shows_as_skew(tmp_path: Path) -> None:
+    s = ServiceProc(tmp_path, {"ranks": 2, "compile": {"enabled": False}, "warmup": ["256x256"]})
+    try:
+        for seed in range(3):
+            status, body, _ = s.generate(size="256x256", seed=seed, steps=8)
+            assert status == 200, body
+        m = s.metrics()
+        r0 = value(m, "stepwatch_rank_step_duration_seconds", rank="0")
+        r1 = value(m, "stepwatch_rank_step_duration_seconds", rank="1")
+        assert r0 > 0 and r1 > 0  # both ranks report
+        assert value(m, "stepwatch_rank_skew_ratio") == pytest.approx((max(r0, r1) - min(r0, r1)) / min(r0, r1))
+        assert s.get("/v1/stepwatch/info")[1]["fingerprint"]["parallel_degree"] == 2
+        status, body, _ = s.knobs(rank_delay_seconds={"1": 0.03})
+        assert status == 200, body
+        status, body, _ = s.generate(size="256x256", seed=0, steps=8)
+        assert status == 200
+        m = s.metrics()
+        r0 = value(m, "stepwatch_rank_step_duration_seconds", rank="0")
+        r1 = value(m, "stepwatch_rank_step_duration_seconds", rank="1")
+        assert r1 > r0 * 1.1, (r0, r1)  # rank 1 is the straggler
+        assert value(m, "stepwatch_rank_skew_ratio") > 0.1
+        assert r1 - r0 == pytest.approx(0.03 * 7 / 8, rel=0.5)  # the delay lands in 7 of 8 steps
+        # The windowed counters: 2 warm-up runs x 4 steps + 4 requests x 8 steps per rank; rank 1's busy
+        # time includes 7 x 30 ms.
+        assert value(m, "stepwatch_rank_steps_total", rank="0") == 40 == value(m, "stepwatch_rank_steps_total",
+                                                                               rank="1")
+        assert value(m, "stepwatch_rank_busy_seconds_total", rank="1") - value(
+            m, "stepwatch_rank_busy_seconds_total", rank="0") > 0.15
+    finally:
+        s.close()

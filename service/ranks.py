@@ -1,0 +1,74 @@
+"""Two-rank mode: the transformer runs with diffusers' Ulysses context parallelism over gloo.
+
+The worker process is rank 0; it starts the other ranks as its own children.
+Rank 0 talks to the HTTP process and broadcasts every generate/knobs message
+to the other ranks (one small collective per request), so all ranks run the
+same requests in the same order.  CPU-only torch builds report no
+accelerator; diffusers' parallel set-up asks ``torch.accelerator.device_count``
+for one, so the ranks report 1 (one CPU "device" each).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger("stepwatch.service.ranks")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_entry(cfg: dict[str, Any], conn: Any, rank: int, world: int, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from stepwatch.service.worker import Worker
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not torch.cuda.is_available():
+        torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    w = Worker(cfg, conn, rank, world)
+    try:
+        setup = w.setup()
+    except Exception:
+        if conn is not None:
+            conn.send({"op": "fatal", "message": traceback.format_exc(limit=5)})
+        raise
+    if rank == 0:
+        conn.send({"op": "ready", "pid": os.getpid(), "metrics_port": w.metrics_port, "fingerprint": w.fingerprint(),
+                   "knobs": dict(w.knobs), "ledger": w.ledger_params(), "budget_bytes": w.budget.limit, **setup})
+        w.serve()
+    else:
+        w.serve_follower()
+    dist.destroy_process_group()
+
+
+def ranks_main(cfg: dict[str, Any], conn: Any, world: int) -> None:
+    """Entry point of the worker process in multi-rank mode: rank 0 here, ranks 1.. as children."""
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    children = [ctx.Process(target=_rank_entry, args=(cfg, None, r, world, port), name=f"stepwatch-rank{r}",
+                            daemon=True) for r in range(1, world)]
+    for c in children:
+        c.start()
+    try:
+        _rank_entry(cfg, conn, 0, world, port)
+    finally:
+        for c in children:
+            c.join(timeout=10)
+            if c.is_alive():
+                c.kill()
