@@ -37,7 +37,7 @@ def _rank_entry(cfg: dict[str, Any], conn: Any, rank: int, world: int, port: int
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not torch.cuda.is_available():
-        torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
+        torch.accelerator.device_count = lambda: 1
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
