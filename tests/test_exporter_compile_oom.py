@@ -165,3 +165,18 @@ def test_model_directory_round_trip(tmp_path: Any) -> None:
              generator=torch.Generator().manual_seed(0)).images
     # Same weights; transformers' load path may differ in the last float bit of the T5 output.
     assert abs(a - b).max() < 1e-3
+
+
+def test_gpu_check_dry_run_on_cpu() -> None:
+    """The GPU check's code path, on the CPU (the sync check itself needs a GPU)."""
+    p = subprocess.run([sys.executable, "-m", "stepwatch.cli", "gpu-check", "--device", "cpu", "--small", "--size",
+                        "256", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["checks"] == {"sync_detector_fires": True, "no_sync_in_hooks": True, "reports_resolved": True,
+                             "event_times_match_sync_times": True}
+    assert len(out["step_seconds_events"]) == 4 and out["exporter_errors"] == {}
+    if not __import__("torch").cuda.is_available():
+        p = subprocess.run([sys.executable, "-m", "stepwatch.cli", "gpu-check"], capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 2 and "no CUDA device" in p.stdout
