@@ -67,7 +67,7 @@ def _flux_dev_shaped(device: str) -> Any:
                                          pad_token_id=1001, eos_token_id=1002))
     finally:
         torch.set_default_dtype(prev)
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), vae=vae,
+    pipe: Any = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), vae=vae,
                         text_encoder=clip, tokenizer=_tokenizer(77, "<|endoftext|>"), text_encoder_2=t5,
                         tokenizer_2=_tokenizer(512, "</s>"), transformer=transformer)
     pipe.set_progress_bar_config(disable=True)
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if cuda:
         for m in _HOOK_METHODS:
             setattr(inst, m, _sync_guarded(getattr(inst, m)))
-        inst.clock.mark = _sync_guarded(inst.clock.mark)  # type: ignore[method-assign]
+        inst.clock.mark = _sync_guarded(inst.clock.mark)
         probe = _sync_guarded(lambda: torch.ones(1, device=args.device).item())
         try:
             probe()
