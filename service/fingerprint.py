@@ -33,4 +33,4 @@ def fingerprint(*, model_id: str, weights_digest: str, dtype: str, compile_mode:
 
 
 def fingerprint_id(fp: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(fp, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]

@@ -319,7 +319,8 @@ class Service:
             "data": [{"b64_json": base64.b64encode(png).decode()} for png in reply["images"]],
             "stepwatch": {
                 "shape": reply.get("shape", req.shape), "pool": pool, "queue_seconds": round(queue_s, 4),
-                "seconds": round(time.monotonic() - t0, 4), "stages": reply.get("stages", {}),
+                "seconds": round(reply["seconds"], 4), "total_seconds": round(time.monotonic() - t0, 4),
+                "stages": reply.get("stages", {}),
                 "steps": reply.get("steps"), "cache": reply.get("cache"), "instance_id": self.instance_id,
                 "fingerprint_id": fingerprint_id(self.fingerprint), "seed": req.seed,
                 "nonfinite_images": reply.get("nonfinite", 0),

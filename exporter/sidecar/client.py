@@ -1,0 +1,175 @@
+"""The practice service's HTTP API as the prober and the capture command use it.
+
+Every failure becomes a ``ProbeError`` with a reason from a bounded vocabulary
+(the ``reason`` label of ``stepwatch_quality_probe_failures_total``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from numpy.typing import NDArray
+
+from stepwatch.exporter.sidecar.config import ProbeItem
+
+# http_<code> for the codes the service documents (and proxies commonly add); anything else is http_other.
+HTTP_CODES = (400, 401, 403, 404, 408, 413, 422, 429, 500, 502, 503, 504, 507)
+REASONS: tuple[str, ...] = ("connect", "timeout", "bad_response", "baseline",
+                            *(f"http_{c}" for c in HTTP_CODES), "http_other")
+
+
+class ProbeError(Exception):
+    """A failed request: ``reason`` is a bounded label value, ``detail`` is for the log."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def http_reason(code: int) -> str:
+    return f"http_{code}" if code in HTTP_CODES else "http_other"
+
+
+def fingerprint_id_of(fingerprint: dict[str, Any]) -> str:
+    """The contract's id: first 16 hex of sha256 over canonical JSON (used only when the service omits it)."""
+    canon = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ServiceInfo:
+    """``GET /v1/stepwatch/info``, the parts the sidecar needs."""
+
+    instance_id: str
+    fingerprint: dict[str, Any]
+    fingerprint_id: str
+    knobs: dict[str, Any] = field(default_factory=dict)
+    ready: bool | None = None
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one request occupies (the parallel degree); 1 when the fingerprint does not say."""
+        for k in ("ranks", "parallel_degree", "world_size"):
+            v = self.fingerprint.get(k)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return 1
+
+
+@dataclass
+class Generated:
+    """One probe's output: frames as HxWx3 uint8 arrays, and what the service said about it."""
+
+    frames: list[NDArray[np.uint8]]
+    instance_id: str | None
+    fingerprint_id: str | None
+    service_seconds: float | None
+    wall_seconds: float
+    png: list[bytes]
+
+
+def decode_png(data: bytes) -> list[NDArray[np.uint8]]:
+    """PNG (or any multi-frame image PIL reads) -> RGB frames."""
+    from PIL import Image, ImageSequence
+
+    with Image.open(io.BytesIO(data)) as im:
+        return [np.asarray(f.convert("RGB"), dtype=np.uint8).copy() for f in ImageSequence.Iterator(im)]
+
+
+def encode_png(frame: NDArray[np.uint8]) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(frame)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class ServiceClient:
+    """A thin httpx client; ``transport`` is injectable for tests."""
+
+    def __init__(self, target: str, *, connect_timeout_s: float = 5.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.target = target.rstrip("/")
+        self.connect_timeout_s = connect_timeout_s
+        self._http = httpx.Client(base_url=self.target, transport=transport, trust_env=False)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, timeout_s: float, body: Any = None) -> Any:
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, self.connect_timeout_s))
+        try:
+            r = self._http.request(method, path, json=body, timeout=timeout)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise ProbeError("connect", f"{method} {self.target}{path}: {e or type(e).__name__}") from None
+        except httpx.TimeoutException:
+            raise ProbeError("timeout", f"{method} {self.target}{path}: no answer within {timeout_s:.1f} s") from None
+        except httpx.TransportError as e:
+            raise ProbeError("connect", f"{method} {self.target}{path}: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            msg = r.text[:300].replace("\n", " ")
+            raise ProbeError(http_reason(r.status_code), f"{method} {path}: HTTP {r.status_code}: {msg}")
+        try:
+            return r.json()
+        except ValueError:
+            raise ProbeError("bad_response", f"{method} {path}: answer is not JSON") from None
+
+    def info(self, timeout_s: float = 5.0) -> ServiceInfo:
+        d = self._request("GET", "/v1/stepwatch/info", timeout_s)
+        if not isinstance(d, dict):
+            raise ProbeError("bad_response", "/v1/stepwatch/info: not a JSON object")
+        fp = d.get("fingerprint")
+        if not isinstance(fp, dict):
+            raise ProbeError("bad_response", "/v1/stepwatch/info: no 'fingerprint' object")
+        fid = d.get("fingerprint_id") or fingerprint_id_of(fp)
+        knobs: dict[str, Any] = d["knobs"] if isinstance(d.get("knobs"), dict) else {}
+        ready = d.get("ready")
+        return ServiceInfo(str(d.get("instance_id") or "unknown"), fp, str(fid), knobs,
+                           ready if isinstance(ready, bool) else None)
+
+    def generate(self, item: ProbeItem, timeout_s: float) -> Generated:
+        t0 = time.monotonic()
+        d = self._request("POST", "/v1/images/generations", timeout_s, item.request_body())
+        wall = time.monotonic() - t0
+        data = d.get("data") if isinstance(d, dict) else None
+        if not isinstance(data, list) or not data:
+            raise ProbeError("bad_response", f"probe {item.id}: no 'data' list in the answer")
+        pngs: list[bytes] = []
+        frames: list[NDArray[np.uint8]] = []
+        for n, entry in enumerate(data):
+            b64 = entry.get("b64_json") if isinstance(entry, dict) else None
+            if not isinstance(b64, str):
+                raise ProbeError("bad_response", f"probe {item.id}: data[{n}] has no b64_json")
+            try:
+                raw = base64.b64decode(b64, validate=True)
+                frames += decode_png(raw)
+            except Exception as e:  # binascii and PIL raise several kinds on bad input
+                raise ProbeError("bad_response", f"probe {item.id}: data[{n}] is not an image ({e})") from None
+            pngs.append(raw)
+        if not item.is_video:
+            frames = frames[:1]
+        elif len(frames) != item.frames:
+            raise ProbeError("bad_response", f"probe {item.id}: {len(frames)} frames, expected {item.frames}")
+        w, h = item.width_height
+        if frames[0].shape[:2] != (h, w):
+            raise ProbeError("bad_response",
+                             f"probe {item.id}: image is {frames[0].shape[1]}x{frames[0].shape[0]}, asked {item.size}")
+        sw = d.get("stepwatch") if isinstance(d.get("stepwatch"), dict) else {}
+        secs = sw.get("seconds")
+        return Generated(
+            frames=frames,
+            instance_id=str(sw["instance_id"]) if sw.get("instance_id") else None,
+            fingerprint_id=str(sw["fingerprint_id"]) if sw.get("fingerprint_id") else None,
+            service_seconds=float(secs) if isinstance(secs, (int, float)) and not isinstance(secs, bool) else None,
+            wall_seconds=wall,
+            png=pngs,
+        )
