@@ -42,6 +42,7 @@ def free_port() -> int:
 class ServiceProc:
     def __init__(self, tmp: Path, overrides: dict[str, Any] | None = None, extra_args: list[str] | None = None,
                  ready_timeout: float = 240.0) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
         cfg = {**TEST_CONFIG, **(overrides or {})}
         self.config_path = tmp / "service.yaml"
         self.config_path.write_text(yaml.safe_dump(cfg))

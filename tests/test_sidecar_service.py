@@ -1,0 +1,106 @@
+"""The quality prober against the real practice service (issue 4's end-to-end bar)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from stepwatch.alerts.thresholds import load
+from stepwatch.exporter.sidecar.capture import capture_baseline
+from stepwatch.exporter.sidecar.config import default_probe_set
+from stepwatch.exporter.sidecar.prober import Prober
+from tests.promtext import scrape, total, value
+from tests.servicefixture import ServiceProc
+
+Q = load().quality
+# The default 20 prompt x seed probes at the service's cheap shape.
+PROBES = default_probe_set(size="256x256", steps=8)
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
+    s = ServiceProc(tmp_path_factory.mktemp("svc-q"))
+    yield s
+    s.close()
+
+
+@pytest.mark.heavy
+def test_baseline_degrades_past_the_gate_and_recovers(svc: ServiceProc, tmp_path: Path) -> None:
+    cap = capture_baseline(svc.url, PROBES, tmp_path)
+    assert cap.probes == 20 and cap.repeat_psnr_db == math.inf
+    registry = CollectorRegistry()
+    p = Prober(svc.url, registry=registry, baseline_dir=tmp_path, probe_set=PROBES)
+    try:
+        res = p.run_once()
+        assert res.status == "ok" and len(res.scored) == 20
+        assert res.psnr["p10"] == math.inf or res.psnr["p10"] >= 60  # deterministic at the baseline config
+        # Push the cache threshold past the quality gate: every middle step reuses the cache.
+        st, body, _ = svc.knobs(cache_threshold=5.0)
+        assert st == 200, body
+        res = p.run_once()
+        gate = Q.gate("lossy_ii")
+        assert res.status == "ok" and res.gate_db == gate
+        assert res.psnr["p10"] < gate - Q.alert_margin_db, res.psnr
+        assert res.below_alert
+        d = scrape(registry)
+        inst = res.per_instance and next(iter(res.per_instance))
+        assert value(d, "stepwatch_quality_psnr_decibels", probe_set="default", instance_id=str(inst),
+                     quantile="p10") == pytest.approx(res.psnr["p10"])
+        assert value(d, "stepwatch_quality_gate_decibels", probe_set="default") == gate
+        assert value(d, "stepwatch_quality_baseline_stale", probe_set="default") == 0
+        # Restore: it recovers.
+        svc.knobs(cache_threshold=0.5)
+        res = p.run_once()
+        assert res.psnr["p10"] == math.inf or res.psnr["p10"] >= 60
+    finally:
+        svc.knobs(cache_threshold=0.5)
+        p.close()
+
+
+@pytest.mark.heavy
+def test_fingerprint_change_reads_as_stale_not_low_psnr(svc: ServiceProc, tmp_path: Path) -> None:
+    capture_baseline(svc.url, PROBES, tmp_path)
+    registry = CollectorRegistry()
+    p = Prober(svc.url, registry=registry, baseline_dir=tmp_path, probe_set=PROBES)
+    try:
+        st, body, _ = svc.knobs(compile=False)  # compile mode is part of the deployment fingerprint
+        assert st == 200 and body["fingerprint"]["compile"] == "off"
+        res = p.run_once()
+        assert res.status == "stale"
+        d = scrape(registry)
+        assert value(d, "stepwatch_quality_baseline_stale", probe_set="default") == 1
+        assert total(d, "stepwatch_quality_psnr_decibels") == 0  # no PSNR series: no false quality alert
+        assert not [k for k in d if k[0] == "stepwatch_quality_psnr_decibels"]
+    finally:
+        svc.knobs(compile=True)
+        p.close()
+
+
+@pytest.mark.heavy
+def test_service_killed_mid_probe_sidecar_survives(tmp_path: Path) -> None:
+    s = ServiceProc(tmp_path / "svc", {"compile": {"enabled": False}})
+    capture_baseline(s.url, PROBES, tmp_path / "base")
+    registry = CollectorRegistry()
+    p = Prober(s.url, registry=registry, baseline_dir=tmp_path / "base", probe_set=PROBES, timeout_s=5)
+    killer = threading.Timer(0.3, s.close)
+    try:
+        killer.start()
+        res = p.run_once()  # the service goes away part-way through the set
+        assert res.status in ("partial", "failed")
+        d = scrape(registry)
+        assert total(d, "stepwatch_quality_probe_failures_total") >= 1
+        t = time.time()
+        res2 = p.run_once()  # the target is down: counted, bounded, no exception
+        assert res2.status == "failed" and time.time() - t < 30
+        d2 = scrape(registry)
+        assert total(d2, "stepwatch_quality_probe_failures_total", reason="connect") >= 1
+    finally:
+        killer.cancel()
+        s.close()
+        p.close()
