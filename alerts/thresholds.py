@@ -16,8 +16,18 @@ import yaml
 
 PROFILES = ("production", "drill")
 SEVERITIES = ("critical", "warning", "info")
+# Every alert name starts with this; the runbook file is the rest in kebab-case.
+ALERT_PREFIX = "Stepwatch"
+SUBSYSTEMS = ("pipeline", "service", "quality", "monitoring")
+# ${...} placeholders a summary or description may use (filled per profile by the generator).
+TEXT_PLACEHOLDERS = ("threshold", "threshold_pct", "upper", "lower", "for", "window")
 _DURATION = re.compile(r"^(\d+)(ms|s|m|h)$")
 _CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]+$")
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
+_RESERVED_LABELS = ("alertname", "severity", "profile", "__name__")
+_ALERT_KEYS = ("name", "severity", "threshold", "for", "for_reason", "window", "summary", "description", "panel",
+               "labels")
 
 
 class ThresholdsError(ValueError):
@@ -38,6 +48,10 @@ class Profile:
     name: str
     scrape_interval: str
     evaluation_interval: str
+    rate_window: str = "5m"  # the window rate-based alerts of this profile read
+    group_wait: str = "30s"  # Alertmanager timings of this profile
+    group_interval: str = "5m"
+    repeat_interval: str = "4h"
 
 
 @dataclass(frozen=True)
@@ -47,10 +61,26 @@ class AlertSpec:
     severity: str
     threshold: float
     for_: dict[str, str]
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # keys other parts own (e.g. missed_probes)
+    summary: str = ""
+    description: str = ""
+    panel: str = ""  # title of the dashboard panel to open first
+    labels: dict[str, str] = field(default_factory=dict)  # static routing labels
+    window: dict[str, str] = field(default_factory=dict)  # per profile; only for event-counting alerts
+    for_reason: str = ""
 
     def for_seconds(self, profile: str) -> float:
         return parse_duration(self.for_[profile], f"alerts.{self.key}.for.{profile}")
+
+    @property
+    def runbook_file(self) -> str:
+        """``StepwatchRankSkew`` -> ``rank-skew.md`` (the file under runbooks/)."""
+        return kebab(self.name.removeprefix(ALERT_PREFIX)) + ".md"
+
+    @property
+    def runbook_anchor(self) -> str:
+        """The anchor of the runbook's title heading (``# StepwatchRankSkew``), as GitHub renders it."""
+        return anchor(self.name)
 
 
 @dataclass(frozen=True)
@@ -75,9 +105,19 @@ class Thresholds:
     quality: Quality
     alerts: dict[str, AlertSpec]
     source: str
+    runbook_base_url: str = ""
+    job_regex: str = "stepwatch.*"
+    diagnosis: dict[str, float | str] = field(default_factory=dict)  # numbers only runbook checks use
 
     def alert(self, key: str) -> AlertSpec:
-        return self.alerts[key]
+        try:
+            return self.alerts[key]
+        except KeyError:
+            raise KeyError(f"alerts.{key}: no such alert in {self.source}") from None
+
+    def runbook_url(self, key: str) -> str:
+        a = self.alert(key)
+        return f"{self.runbook_base_url}/{a.runbook_file}#{a.runbook_anchor}"
 
     def by_name(self, name: str) -> AlertSpec:
         for a in self.alerts.values():
@@ -103,6 +143,7 @@ def _num(v: Any, where: str, lo: float | None = None, hi: float | None = None) -
 
 
 def parse(data: Any, source: str = "<data>") -> Thresholds:
+    """Validate a thresholds mapping (the parsed YAML); every error names the key at fault."""
     if not isinstance(data, dict):
         raise ThresholdsError(f"{source}: expected a mapping at the top level")
     profiles: dict[str, Profile] = {}
@@ -111,7 +152,15 @@ def parse(data: Any, source: str = "<data>") -> Thresholds:
         p = _need(raw_profiles, name, "profiles")
         for k in ("scrape_interval", "evaluation_interval"):
             parse_duration(_need(p, k, f"profiles.{name}"), f"profiles.{name}.{k}")
-        profiles[name] = Profile(name, p["scrape_interval"], p["evaluation_interval"])
+        optional = {k: str(p[k]) for k in ("rate_window", "group_wait", "group_interval", "repeat_interval")
+                    if k in p}
+        for k, v in optional.items():
+            parse_duration(v, f"profiles.{name}.{k}")
+        profiles[name] = Profile(name, str(p["scrape_interval"]), str(p["evaluation_interval"]), **optional)
+        window = parse_duration(profiles[name].rate_window)
+        if window < 4 * parse_duration(profiles[name].scrape_interval):
+            raise ThresholdsError(f"profiles.{name}.rate_window: {profiles[name].rate_window} is shorter than "
+                                  "4 scrape intervals; rate() would be noise")
     q = _need(data, "quality", "")
     gates = {str(k): _num(v, f"quality.gates_db.{k}", 0, 100) for k, v in _need(q, "gates_db", "quality").items()}
     default_gate = _need(q, "default_gate", "quality")
@@ -128,28 +177,117 @@ def parse(data: Any, source: str = "<data>") -> Thresholds:
     )
     alerts: dict[str, AlertSpec] = {}
     names: set[str] = set()
-    for key, a in _need(data, "alerts", "").items():
-        where = f"alerts.{key}"
-        name = _need(a, "name", where)
-        if not _CAMEL.match(str(name)):
-            raise ThresholdsError(f"{where}.name: {name!r} is not CamelCase")
-        if name in names:
-            raise ThresholdsError(f"{where}.name: {name!r} used twice")
-        names.add(name)
-        sev = _need(a, "severity", where)
-        if sev not in SEVERITIES:
-            raise ThresholdsError(f"{where}.severity: {sev!r} is not one of {', '.join(SEVERITIES)}")
-        for_ = _need(a, "for", where)
-        for prof in PROFILES:
-            parse_duration(_need(for_, prof, f"{where}.for"), f"{where}.for.{prof}")
-        extra = {k: v for k, v in a.items() if k not in ("name", "severity", "threshold", "for")}
-        alerts[key] = AlertSpec(key, name, sev, _num(_need(a, "threshold", where), f"{where}.threshold", 0),
-                                {p: str(for_[p]) for p in PROFILES}, extra)
-    for required in ("step_time_regression", "cache_hit_rate_shift", "queue_wait", "memory_pressure",
-                     "quality_drop", "recompile", "rank_skew"):
+    panels: dict[str, str] = {}
+    raw_alerts = _need(data, "alerts", "")
+    if not isinstance(raw_alerts, dict):
+        raise ThresholdsError("alerts: expected a mapping of alert key -> settings")
+    for key, a in raw_alerts.items():
+        spec = _alert(str(key), a, names, panels)
+        alerts[spec.key] = spec
+    for required in REQUIRED_ALERTS:
         if required not in alerts:
             raise ThresholdsError(f"alerts.{required}: missing (one of the seven documented alerts)")
-    return Thresholds(profiles, quality, alerts, source)
+    qd = alerts["quality_drop"]
+    if qd.threshold != quality.alert_margin_db:
+        raise ThresholdsError(f"alerts.quality_drop.threshold: {qd.threshold:g} differs from "
+                              f"quality.alert_margin_db {quality.alert_margin_db:g}; they are one number")
+    base = str(data.get("runbook_base_url", ""))
+    if not re.match(r"^https?://\S+[^/]$", base):
+        raise ThresholdsError(f"runbook_base_url: {base!r} is not an http(s) URL without a trailing slash")
+    job_regex = str(data.get("job_regex", "stepwatch.*"))
+    try:
+        re.compile(job_regex)
+    except re.error as e:
+        raise ThresholdsError(f"job_regex: {job_regex!r} is not a regular expression ({e})") from None
+    diagnosis: dict[str, float | str] = {}
+    for k, v in (data.get("diagnosis") or {}).items():
+        if isinstance(v, str):
+            parse_duration(v, f"diagnosis.{k}")
+            diagnosis[str(k)] = v
+        else:
+            diagnosis[str(k)] = _num(v, f"diagnosis.{k}")
+    return Thresholds(profiles, quality, alerts, source, base, job_regex, diagnosis)
+
+
+REQUIRED_ALERTS = ("step_time_regression", "cache_hit_rate_shift", "queue_wait", "memory_pressure",
+                   "quality_drop", "recompile", "rank_skew")
+
+
+def _text(a: dict[str, Any], k: str, where: str) -> str:
+    v = _need(a, k, where)
+    if not isinstance(v, str) or not v.strip():
+        raise ThresholdsError(f"{where}.{k}: expected a non-empty string")
+    for m in _PLACEHOLDER.finditer(v):
+        if m.group(1) not in TEXT_PLACEHOLDERS:
+            raise ThresholdsError(f"{where}.{k}: unknown placeholder ${{{m.group(1)}}}; "
+                                  f"known: {', '.join(TEXT_PLACEHOLDERS)}")
+    return " ".join(v.split())
+
+
+def _per_profile(v: Any, where: str) -> dict[str, str]:
+    if not isinstance(v, dict):
+        raise ThresholdsError(f"{where}: expected {{production: ..., drill: ...}}")
+    for prof in PROFILES:
+        parse_duration(_need(v, prof, where), f"{where}.{prof}")
+    return {p: str(v[p]) for p in PROFILES}
+
+
+def _alert(key: str, a: Any, names: set[str], panels: dict[str, str]) -> AlertSpec:
+    where = f"alerts.{key}"
+    if not isinstance(a, dict):
+        raise ThresholdsError(f"{where}: expected a mapping")
+    name = str(_need(a, "name", where))
+    if not _CAMEL.match(name):
+        raise ThresholdsError(f"{where}.name: {name!r} is not CamelCase")
+    if not name.startswith(ALERT_PREFIX) or name == ALERT_PREFIX:
+        raise ThresholdsError(f"{where}.name: {name!r} must start with {ALERT_PREFIX!r}")
+    if name in names:
+        raise ThresholdsError(f"{where}.name: {name!r} used twice")
+    names.add(name)
+    sev = _need(a, "severity", where)
+    if sev not in SEVERITIES:
+        raise ThresholdsError(f"{where}.severity: {sev!r} is not one of {', '.join(SEVERITIES)}")
+    for_ = _per_profile(_need(a, "for", where), f"{where}.for")
+    window = _per_profile(a["window"], f"{where}.window") if "window" in a else {}
+    summary = _text(a, "summary", where)
+    if "{{" in summary:
+        raise ThresholdsError(f"{where}.summary: must be static (no {{{{ }}}} templates)")
+    if not summary.endswith("."):
+        raise ThresholdsError(f"{where}.summary: one sentence ending with a full stop")
+    description = _text(a, "description", where)
+    panel = _text(a, "panel", where)
+    if panel in panels:
+        raise ThresholdsError(f"{where}.panel: {panel!r} is already the panel of alerts.{panels[panel]}")
+    panels[panel] = key
+    labels = a.get("labels") or {}
+    if not isinstance(labels, dict):
+        raise ThresholdsError(f"{where}.labels: expected a mapping")
+    for lk, lv in labels.items():
+        if not _LABEL.match(str(lk)) or lk in _RESERVED_LABELS:
+            raise ThresholdsError(f"{where}.labels.{lk}: not a label name a rule may set")
+        if not isinstance(lv, str):
+            raise ThresholdsError(f"{where}.labels.{lk}: {lv!r} is not a string")
+    subsystem = labels.get("subsystem")
+    if subsystem not in SUBSYSTEMS:
+        raise ThresholdsError(f"{where}.labels.subsystem: {subsystem!r} is not one of {', '.join(SUBSYSTEMS)}")
+    for_reason = str(a.get("for_reason") or "")
+    if not for_reason:
+        raise ThresholdsError(f"{where}.for_reason: missing (say why the production for: is what it is)")
+    extra = {k: v for k, v in a.items() if k not in _ALERT_KEYS}
+    return AlertSpec(key, name, sev, _num(_need(a, "threshold", where), f"{where}.threshold", 0), for_, extra,
+                     summary=summary, description=description, panel=panel,
+                     labels={str(k): str(v) for k, v in labels.items()}, window=window, for_reason=for_reason)
+
+
+def kebab(camel: str) -> str:
+    """``QueueWaitHigh`` -> ``queue-wait-high``; ``GPUMemory`` -> ``gpu-memory``."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "-", camel).lower()
+
+
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
 
 
 def default_path() -> Path:

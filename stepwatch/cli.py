@@ -1,4 +1,4 @@
-"""The one ``stepwatch`` command.  Subcommands import their heavy parts only when run."""
+"""The one ``stepwatch`` command.  A subcommand's module is imported only when that command runs."""
 
 from __future__ import annotations
 
@@ -48,52 +48,66 @@ fault drills are generated from one thresholds source.
 """
 
 
-def _load(module: str) -> object | None:
-    """The command's module, or None while it does not exist yet in this checkout."""
+class CommandMissing(Exception):
+    pass
+
+
+def _load(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name and module.startswith(e.name):
-            return None
+            raise CommandMissing(module) from None
         raise
 
 
-def _add(sub: argparse._SubParsersAction, name: str, spec: tuple[str, str]) -> bool:
+def _add(sub: argparse._SubParsersAction, name: str, spec: tuple[str, str], load: bool) -> None:
     module, help_text = spec
-    mod: Any = _load(module)
-    if mod is None:
-        return False
+    if not load:
+        sub.add_parser(name, help=help_text, description=help_text)
+        return
+    mod = _load(module)
     p = sub.add_parser(name, help=help_text, description=mod.__doc__ or help_text,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_arguments(p)
     p.set_defaults(_run=mod.run)
-    return True
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen(argv: Sequence[str]) -> tuple[str | None, str | None]:
+    words = [a for a in argv if not a.startswith("-")]
+    top = words[0] if words and words[0] in COMMANDS else None
+    sub = words[1] if top and isinstance(COMMANDS[top], dict) and len(words) > 1 else None
+    return top, sub
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser; only the module of the command named in ``argv`` is imported."""
+    top, chosen_sub = _chosen(argv)
     parser = argparse.ArgumentParser(prog="stepwatch", description=_TOP_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, spec in COMMANDS.items():
         if isinstance(spec, dict):
-            available = {k: v for k, v in spec.items() if _load(v[0]) is not None}
-            if not available:
-                continue
-            group = sub.add_parser(name, help=", ".join(f"{k}: {v[1]}" for k, v in available.items()),
+            group = sub.add_parser(name, help=", ".join(f"{k}: {v[1]}" for k, v in spec.items()),
                                    description=f"stepwatch {name}")
             gsub = group.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
-            for sname, sspec in available.items():
-                _add(gsub, sname, sspec)
+            for sname, sspec in spec.items():
+                _add(gsub, sname, sspec, load=(name == top and sname == chosen_sub))
             group.set_defaults(_group=group)
         else:
-            _add(sub, name, spec)
+            _add(sub, name, spec, load=(name == top))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser(args_list)
+    except CommandMissing as e:
+        print(f"stepwatch: this command is not available in this installation ({e})", file=sys.stderr)
+        return 2
+    args = parser.parse_args(args_list)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run = getattr(args, "_run", None)

@@ -289,6 +289,8 @@ def test_run_forever_stops_promptly(standin: StandIn, registry: CollectorRegistr
     stop.set()
     t.join(timeout=5)
     assert not t.is_alive()
+    # The cadence in force is exported for the "no success for 3 intervals" alert.
+    assert value(scrape(registry), "stepwatch_quality_probe_interval_seconds", probe_set="default") == 0.05
     p.close()
 
 

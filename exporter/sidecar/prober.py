@@ -416,6 +416,8 @@ class Prober:
                 log.info("%s", cad.text)
                 announced = cad
             delay = cad.interval_s if cad.interval_s is not None else self.retry_interval_s
+            # The cadence in force, so "no success for 3 intervals" can be judged by the rules.
+            self.metrics.quality_probe_interval_seconds.labels(self.probe_set.name).set(delay)
             if not res.completed:
                 delay = min(delay, self.retry_interval_s)
             self._stop.wait(delay)

@@ -1,0 +1,447 @@
+"""Read the runbooks into structured checks a triage agent can run against Prometheus.
+
+The format is documented at the top of runbooks/README.md.  In short: one markdown file
+per alert, titled with the alert name; sections Meaning, Impact, Diagnosis, Mitigation,
+Dashboard; every numbered item under Diagnosis carries one fenced ``check`` block::
+
+    1. **Is one rank slower than the others?** Prose for people ...
+
+       ```check
+       id: rank_skew
+       query: |
+         max(instance_rank:stepwatch_rank_step_duration_seconds:ratio_to_fastest{instance="{{ $labels.instance }}"}) - 1
+       healthy: <= ${threshold.rank_skew}
+       if_unhealthy: straggler_rank
+       if_healthy: next
+       empty: unknown
+       ```
+
+People and the agent read the same text.  Usage::
+
+    rb = load_for_alert("StepwatchRankSkew")
+    for check in rb.checks:
+        promql = check.render(alert_labels, profile="production")
+        ...  # run it; outcome = check.judge(values)
+    cause, trail = follow(rb, lambda check: outcome_of(check))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from stepwatch.alerts.thresholds import anchor
+
+# The shared cause vocabulary: what triage may name.  One line each, for people.
+CAUSES: dict[str, str] = {
+    "recompile_unwarmed_shape": "a served shape was not on the warm-up list; torch.compile compiled it on live "
+                                "requests",
+    "compile_cache_evicted": "a warmed shape compiled again: the compiled-graph cache or a guard dropped it",
+    "compile_disabled": "torch.compile is off (eager mode): same FLOPs, much lower MFU",
+    "config_changed": "a runtime knob changed (cache kind or threshold, VAE tiling, compile)",
+    "fingerprint_changed": "the deployment changed (weights, library versions, compile mode, parallel degree); "
+                           "baselines were captured on another one",
+    "straggler_rank": "one sequence-parallel rank is slower (another process, heat, a bad link, an injected delay); "
+                      "every step waits for it",
+    "gpu_throttling": "a GPU clock is throttled (thermal or power)",
+    "instance_slowdown": "this instance got slower per step than its baseline (see StepwatchStepTimeRegression)",
+    "bad_instance": "one instance differs from the rest (FP8 scales, parallel degree, a broken GPU)",
+    "cache_threshold_too_high": "the cross-step cache reuses too often (threshold too high): faster, blurred or "
+                                "greyed images",
+    "cache_disabled": "the cross-step cache is off or no longer hits: every step computes, so steps are slower",
+    "cache_on_distilled_model": "a cache is hitting on a few-step (distilled) model, which should see no hits",
+    "prompt_mix_shift": "the prompt mix changed, and with it how often an adaptive cache hits",
+    "vae_tiling_off": "VAE decode runs untiled at a high resolution (full-resolution feature maps)",
+    "shape_too_large": "the shape (resolution, frames, batch) does not fit the device even with tiling",
+    "out_of_memory": "requests fail with out-of-memory (see StepwatchOutOfMemory for the stage and the fix)",
+    "fp8_scale_saturation": "activations overflow their dtype (FP8 per-tensor scales saturated by outliers, fp16 "
+                            "overflow)",
+    "under_provisioned": "the pool has too few workers for its load; diffusion is compute-bound, only more "
+                         "instances (or fewer steps) help",
+    "queue_backlog": "work piled up on one instance (uneven routing, or that instance is slow)",
+    "cold_start": "instances are still loading weights or compiling (not ready yet)",
+    "worker_crashed": "the worker process died and restarts",
+    "pipeline_exception": "the pipeline raised errors that are not OOMs",
+    "target_unreachable": "the probed service cannot be reached",
+    "baseline_missing": "the quality baseline did not load (missing files, bad checksum)",
+    "process_down": "the scraped process is down or hangs while its host is up",
+    "host_down": "the whole host or pod is gone (all its targets are down)",
+    "exporter_hook_broken": "a stepwatch hook fails (usually a diffusers or torch API change)",
+}
+
+SECTIONS = ("Meaning", "Impact", "Diagnosis", "Mitigation", "Dashboard")
+NEXT, END = "next", "end"
+Outcome = Literal["healthy", "unhealthy", "unknown"]
+EMPTY = ("healthy", "unhealthy", "unknown")
+CHECK_KEYS = {"id", "query", "healthy", "if_unhealthy", "if_healthy", "empty"}
+PSEUDO_LABELS = {"instance_host": "instance"}  # derived placeholders: the instance without its port
+
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt, ">": operator.gt,
+}
+_COND = re.compile(r"^\s*(<=|>=|==|!=|<|>)\s*(\S+)\s*$")
+_LABEL_PH = re.compile(r"\{\{\s*\$labels\.([a-zA-Z_][a-zA-Z0-9_]*)\s*\}\}")
+_VALUE_PH = re.compile(r"\$\{([a-z_]+(?:\.[a-z_]+)?)\}")
+_ID = re.compile(r"^[a-z][a-z0-9_]*$")
+_ITEM = re.compile(r"^(\d+)\.\s", re.M)
+_FENCE = re.compile(r"^[ \t]*```check[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
+_TITLE = re.compile(r"\*\*(.+?)\*\*")
+
+
+class RunbookError(ValueError):
+    """A runbook breaks the format; the message names the file and the check."""
+
+
+@dataclass(frozen=True)
+class Condition:
+    """``<op> <value>``: the value is a number or a ${threshold.KEY} / ${diagnosis.NAME} placeholder."""
+
+    op: str
+    value: str
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> Condition:
+        m = _COND.match(str(text))
+        if m is None:
+            raise RunbookError(f"{where}: healthy {text!r} is not '<op> <number or ${{placeholder}}>' "
+                               f"(ops: {', '.join(_OPS)})")
+        value = m.group(2)
+        if not _VALUE_PH.fullmatch(value):
+            try:
+                float(value)
+            except ValueError:
+                raise RunbookError(f"{where}: healthy value {value!r} is not a number or ${{placeholder}}") from None
+        return cls(m.group(1), value)
+
+    def threshold(self, thresholds: Any = None, profile: str = "production") -> float:
+        return float(_value_placeholders(self.value, thresholds, profile, None, "healthy"))
+
+    def holds(self, x: float, thresholds: Any = None, profile: str = "production") -> bool:
+        return _OPS[self.op](x, self.threshold(thresholds, profile))
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.value}"
+
+
+@dataclass(frozen=True)
+class Check:
+    number: int
+    id: str
+    title: str  # the bold question that opens the item
+    text: str  # the item's prose without the block, for the report
+    query: str  # PromQL with placeholders
+    healthy: Condition
+    if_unhealthy: str  # a cause, a check id, "next" or "end"
+    if_healthy: str
+    empty: Outcome = "unknown"  # the outcome when the query returns no samples
+    alert: str = ""  # the runbook's alert name (for ${window} and error messages)
+
+    def labels_needed(self) -> set[str]:
+        """Alert labels the query reads (pseudo labels resolved to their source)."""
+        return {PSEUDO_LABELS.get(n, n) for n in _LABEL_PH.findall(self.query)}
+
+    def render(self, labels: Mapping[str, str] | None = None, thresholds: Any = None,
+               profile: str = "production") -> str:
+        """The PromQL to run: alert labels and ${...} values filled in.
+
+        A label the alert does not carry renders as "" (in PromQL, ``label=""`` matches
+        series without that label).
+        """
+        labels = dict(labels or {})
+        if "instance" in labels and "instance_host" not in labels:
+            labels["instance_host"] = labels["instance"].rsplit(":", 1)[0]
+
+        def label(m: re.Match[str]) -> str:
+            return str(labels.get(m.group(1), "")).replace("\\", "\\\\").replace('"', '\\"')
+
+        q = _LABEL_PH.sub(label, self.query)
+        return _value_placeholders(q, thresholds, profile, self.alert, f"check {self.id}").strip()
+
+    def judge(self, values: Iterable[float], thresholds: Any = None, profile: str = "production") -> Outcome:
+        """healthy when every returned sample satisfies ``healthy``; ``empty`` when none came back.
+
+        NaN never satisfies a condition, so a NaN sample is unhealthy.
+        """
+        vals = list(values)
+        if not vals:
+            return self.empty
+        ok = all(not math.isnan(v) and self.healthy.holds(v, thresholds, profile) for v in vals)
+        return "healthy" if ok else "unhealthy"
+
+    def next_step(self, outcome: Outcome) -> str:
+        """Where an outcome leads; unknown follows the healthy branch (the check cannot confirm its cause)."""
+        return self.if_unhealthy if outcome == "unhealthy" else self.if_healthy
+
+
+@dataclass(frozen=True)
+class Runbook:
+    alert: str
+    file: str
+    title: str
+    sections: dict[str, str]
+    checks: tuple[Check, ...]
+    anchors: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def anchor(self) -> str:
+        return anchor(self.title)
+
+    def check(self, check_id: str) -> Check:
+        for c in self.checks:
+            if c.id == check_id:
+                return c
+        raise KeyError(f"{self.file}: no check {check_id!r}")
+
+    def causes(self) -> set[str]:
+        return {t for c in self.checks for t in (c.if_healthy, c.if_unhealthy) if t in CAUSES}
+
+
+@functools.lru_cache(maxsize=1)
+def _packaged_thresholds() -> Any:
+    from stepwatch.alerts.thresholds import load
+
+    return load()
+
+
+def _value_placeholders(text: str, thresholds: Any, profile: str, alert: str | None, where: str) -> str:
+    th = thresholds
+    if th is None and _VALUE_PH.search(text):
+        th = _packaged_thresholds()
+
+    def value(m: re.Match[str]) -> str:
+        name = m.group(1)
+        head, _, tail = name.partition(".")
+        try:
+            if head == "threshold" and tail:
+                return format(th.alert(tail).threshold, ".12g")
+            if head == "diagnosis" and tail:
+                v = th.diagnosis[tail]
+                return v if isinstance(v, str) else format(v, ".12g")
+            if name == "rate_window":
+                return str(th.profiles[profile].rate_window)
+            if name == "window" and alert:
+                spec = th.by_name(alert)
+                return str(spec.window.get(profile, th.profiles[profile].rate_window))
+            if name == "job_regex":
+                return str(th.job_regex)
+        except KeyError:
+            pass
+        raise RunbookError(f"{where}: unknown placeholder ${{{name}}} (known: ${{threshold.<alert key>}}, "
+                           "${diagnosis.<name>}, ${rate_window}, ${window}, ${job_regex})")
+
+    return _VALUE_PH.sub(value, text)
+
+
+def _sections(text: str, where: str) -> tuple[str, dict[str, str], set[str]]:
+    lines = text.splitlines()
+    title = ""
+    anchors: set[str] = set()
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    in_fence = False
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        if not in_fence and (m := re.match(r"^(#{1,6})\s+(.*?)\s*#*\s*$", line)):
+            level, heading = len(m.group(1)), m.group(2)
+            anchors.add(anchor(heading))
+            if level == 1 and not title:
+                title = heading
+                current = None
+                continue
+            if level == 2:
+                current = sections.setdefault(heading, [])
+                continue
+        if current is not None:
+            current.append(line)
+    if not title:
+        raise RunbookError(f"{where}: no '# <alert name>' title")
+    return title, {k: "\n".join(v).strip() for k, v in sections.items()}, anchors
+
+
+def _check(item: str, number: int, alert: str, where: str) -> Check:
+    blocks = _FENCE.findall(item)
+    if len(blocks) != 1:
+        raise RunbookError(f"{where}: diagnosis item {number} needs exactly one ```check block (found {len(blocks)})")
+    body = "\n".join(line for line in blocks[0].splitlines())
+    indent = min((len(x) - len(x.lstrip()) for x in body.splitlines() if x.strip()), default=0)
+    body = "\n".join(x[indent:] for x in body.splitlines())
+    try:
+        data = yaml.safe_load(body)
+    except yaml.YAMLError as e:
+        raise RunbookError(f"{where}: check {number} is not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise RunbookError(f"{where}: check {number} must be a YAML mapping")
+    unknown = set(data) - CHECK_KEYS
+    if unknown:
+        raise RunbookError(f"{where}: check {number} has unknown key(s) {', '.join(sorted(unknown))}")
+    for k in ("id", "query", "healthy", "if_unhealthy", "if_healthy"):
+        if k not in data or data[k] in (None, ""):
+            raise RunbookError(f"{where}: check {number} is missing {k}")
+    cid = str(data["id"])
+    if not _ID.match(cid):
+        raise RunbookError(f"{where}: check {number} id {cid!r} is not snake_case")
+    empty = str(data.get("empty", "unknown"))
+    if empty not in EMPTY:
+        raise RunbookError(f"{where}: check {cid}: empty {empty!r} is not one of {', '.join(EMPTY)}")
+    tm = _TITLE.search(item)
+    prose = _FENCE.sub("", item)
+    prose = re.sub(r"^\d+\.\s*", "", prose).strip()
+    return Check(number=number, id=cid, title=tm.group(1).strip() if tm else cid, text=" ".join(prose.split()),
+                 query=str(data["query"]).strip(), healthy=Condition.parse(str(data["healthy"]), f"{where}: {cid}"),
+                 if_unhealthy=str(data["if_unhealthy"]), if_healthy=str(data["if_healthy"]),
+                 empty=empty,  # type: ignore[arg-type]
+                 alert=alert)
+
+
+def parse_runbook(text: str, file: str = "<text>") -> Runbook:
+    """Parse and validate one runbook (sections, checks, flow targets, causes)."""
+    title, sections, anchors = _sections(text, file)
+    missing = [s for s in SECTIONS if s not in sections]
+    if missing:
+        raise RunbookError(f"{file}: missing section(s) {', '.join('## ' + s for s in missing)}")
+    diag = sections["Diagnosis"]
+    starts = list(_ITEM.finditer(diag))
+    if not starts:
+        raise RunbookError(f"{file}: ## Diagnosis has no numbered checks")
+    checks = []
+    for i, m in enumerate(starts):
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(diag)
+        checks.append(_check(diag[m.start():end], int(m.group(1)), title, file))
+    ids = [c.id for c in checks]
+    if len(set(ids)) != len(ids):
+        raise RunbookError(f"{file}: check ids must be unique ({', '.join(ids)})")
+    for i, c in enumerate(checks):
+        if c.number != i + 1:
+            raise RunbookError(f"{file}: checks must be numbered 1, 2, 3, ... ({c.id} is {c.number})")
+        for branch, target in (("if_unhealthy", c.if_unhealthy), ("if_healthy", c.if_healthy)):
+            if target in CAUSES or target == END or (target == NEXT and i + 1 < len(checks)):
+                continue
+            if target in ids and ids.index(target) > i:
+                continue
+            raise RunbookError(f"{file}: check {c.id}: {branch} {target!r} is not a cause, a later check id, "
+                               f"'next' (not on the last check) or 'end'")
+    return Runbook(alert=title, file=Path(file).name, title=title, sections=sections, checks=tuple(checks),
+                   anchors=frozenset(anchors))
+
+
+def runbooks_dir() -> Path:
+    return Path(str(resources.files("stepwatch.runbooks")))
+
+
+def load(file: str | Path) -> Runbook:
+    """One runbook by path, or by file name under the packaged runbooks/."""
+    p = Path(file)
+    if not p.is_absolute() and not p.exists():
+        p = runbooks_dir() / p
+    return parse_runbook(p.read_text(), str(p))
+
+
+def load_for_alert(alertname: str, thresholds: Any = None) -> Runbook:
+    """The runbook of an alert, found the way its runbook_url points to it."""
+    from stepwatch.alerts.thresholds import load as load_thresholds
+
+    th = thresholds or load_thresholds()
+    return load(th.by_name(alertname).runbook_file)
+
+
+def load_for_url(url: str) -> Runbook:
+    """The runbook a runbook_url annotation points to (the file name and anchor are what count)."""
+    path, _, anchor = url.partition("#")
+    rb = load(Path(path.rsplit("/", 1)[-1]).name)
+    if anchor and anchor not in rb.anchors:
+        raise RunbookError(f"{url}: {rb.file} has no heading with anchor #{anchor}")
+    return rb
+
+
+def load_all(directory: str | Path | None = None) -> dict[str, Runbook]:
+    """Every alert runbook, by alert name (README, fault-table and drills are not runbooks)."""
+    d = Path(directory) if directory is not None else runbooks_dir()
+    out = {}
+    for p in sorted(d.glob("*.md")):
+        if p.name in NOT_RUNBOOKS:
+            continue
+        rb = parse_runbook(p.read_text(), str(p))
+        out[rb.alert] = rb
+    return out
+
+
+NOT_RUNBOOKS = {"README.md", "fault-table.md", "drills.md"}
+
+
+@dataclass(frozen=True)
+class Step:
+    check: Check
+    outcome: Outcome
+    goes_to: str
+
+
+def follow(runbook: Runbook, outcome_of: Callable[[Check], Outcome]) -> tuple[str | None, list[Step]]:
+    """Walk the checks from the first: (the cause reached or None at 'end', the steps taken)."""
+    trail: list[Step] = []
+    i = 0
+    while i < len(runbook.checks):
+        c = runbook.checks[i]
+        outcome = outcome_of(c)
+        target = c.next_step(outcome)
+        trail.append(Step(c, outcome, target))
+        if target in CAUSES:
+            return target, trail
+        if target == END:
+            return None, trail
+        i = i + 1 if target == NEXT else [x.id for x in runbook.checks].index(target)
+    return None, trail
+
+
+# ----- drills ---------------------------------------------------------------------------------
+
+DRILL_KEYS = {"id", "alerts", "cause", "within", "inject", "traffic", "restore"}
+
+
+@dataclass(frozen=True)
+class Drill:
+    id: str
+    title: str
+    alerts: tuple[str, ...]  # alert names that must fire
+    cause: str  # what triage must name
+    within: str  # e.g. 60s: from the fault to the alert firing
+    inject: dict[str, Any]
+    traffic: dict[str, Any]
+    restore: dict[str, Any]
+
+
+_DRILL_FENCE = re.compile(r"^```drill[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
+
+
+def load_drills(file: str | Path | None = None) -> list[Drill]:
+    """The drills of runbooks/drills.md: each ``## title`` section has one ```drill YAML block."""
+    p = Path(file) if file is not None else runbooks_dir() / "drills.md"
+    text = p.read_text()
+    out = []
+    titles = list(re.finditer(r"^## (.+)$", text, re.M))
+    for i, t in enumerate(titles):
+        end = titles[i + 1].start() if i + 1 < len(titles) else len(text)
+        blocks = _DRILL_FENCE.findall(text[t.end():end])
+        if not blocks:
+            continue
+        where = f"{p.name}: {t.group(1)}"
+        if len(blocks) > 1:
+            raise RunbookError(f"{where}: one ```drill block per section")
+        data = yaml.safe_load(blocks[0])
+        if not isinstance(data, dict) or set(data) - DRILL_KEYS or not {"id", "alerts", "cause", "within"} <= set(data):
+            raise RunbookError(f"{where}: a drill block has id, alerts, cause, within (and inject, traffic, restore)")
+        if data["cause"] not in CAUSES:
+            raise RunbookError(f"{where}: cause {data['cause']!r} is not in the cause vocabulary")
+        out.append(Drill(str(data["id"]), t.group(1).strip(), tuple(data["alerts"]), str(data["cause"]),
+                         str(data["within"]), dict(data.get("inject") or {}), dict(data.get("traffic") or {}),
+                         dict(data.get("restore") or {})))
+    return out

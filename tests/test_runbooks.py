@@ -1,0 +1,282 @@
+"""Runbooks: format, links from the alerts, executable checks, and names checked against live /metrics."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import generate_latest
+
+from stepwatch.alerts import promql, rulegen
+from stepwatch.alerts.thresholds import PROFILES, load
+from stepwatch.catalog import METRICS, series_names
+from stepwatch.runbooks import parse
+from stepwatch.runbooks.parse import CAUSES, RunbookError
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNBOOKS = ROOT / "runbooks"
+PROMTOOL = shutil.which("promtool")
+
+# Example values for every label an alert can carry (rendering placeholders for the checks).
+EXAMPLE_LABELS = {"job": "stepwatch-service", "instance": "10.0.0.1:8000", "shape": "1024x1024_8s_cfg",
+                  "pool": "large", "device": "cuda:0", "gpu": "0", "rank": "1", "stage": "vae_decode",
+                  "probe_set": "default", "instance_id": "svc-a", "quantile": "p10", "phase": "serving",
+                  "reason": "timeout", "component": "scheduler.step"}
+
+
+@pytest.fixture(scope="module")
+def th() -> Any:
+    return load()
+
+
+@pytest.fixture(scope="module")
+def runbooks() -> dict[str, parse.Runbook]:
+    return parse.load_all()
+
+
+def _alert_labels(key: str) -> dict[str, str]:
+    return {k: EXAMPLE_LABELS[k] for k in ("job", *rulegen.ALERT_LABELS[key])}
+
+
+def _rendered(th: Any, runbooks: dict[str, parse.Runbook]) -> list[tuple[str, str, str, str]]:
+    """(alert, check id, profile, PromQL) for every check in both profiles."""
+    out = []
+    for spec in th.alerts.values():
+        for c in runbooks[spec.name].checks:
+            for p in PROFILES:
+                out.append((spec.name, c.id, p, c.render(_alert_labels(spec.key), th, p)))
+    return out
+
+
+# ----- alerts <-> runbooks --------------------------------------------------------------------
+
+def test_every_runbook_url_resolves(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    files = {p.name for p in RUNBOOKS.glob("*.md")} - parse.NOT_RUNBOOKS
+    assert files == {a.runbook_file for a in th.alerts.values()}  # one file per alert, no orphans
+    for spec in th.alerts.values():
+        url = th.runbook_url(spec.key)
+        assert url.startswith(th.runbook_base_url + "/")
+        rb = parse.load_for_url(url)
+        assert rb.alert == spec.name and rb.anchor == url.split("#")[1] and rb.anchor in rb.anchors
+        assert (RUNBOOKS / url.rsplit("/", 1)[1].split("#")[0]).is_file()
+        assert runbooks[spec.name] == rb == parse.load_for_alert(spec.name)
+    with pytest.raises(RunbookError, match="no heading with anchor #nope"):
+        parse.load_for_url(f"{th.runbook_base_url}/rank-skew.md#nope")
+
+
+def test_runbook_sections_panel_and_glance(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    for spec in th.alerts.values():
+        rb = runbooks[spec.name]
+        assert list(rb.sections)[:5] == list(parse.SECTIONS), rb.file
+        assert f"**{spec.panel}**" in rb.sections["Dashboard"], rb.file  # the panel the dashboards title
+        text = (RUNBOOKS / rb.file).read_text()
+        assert f"| Dashboard panel | **{spec.panel}** |" in text
+        assert f"| Severity | **{spec.severity}**" in text
+        assert len(rb.checks) >= 1
+        for c in rb.checks:
+            assert c.title.endswith("?"), (rb.file, c.id)  # a question a person can answer
+            assert c.text, (rb.file, c.id)
+        assert "{{ $labels" not in rb.sections["Meaning"] + rb.sections["Impact"]  # prose is for people
+
+
+def test_checks_use_only_the_alerts_labels(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    for spec in th.alerts.values():
+        allowed = {"job", *rulegen.ALERT_LABELS[spec.key]}
+        for c in runbooks[spec.name].checks:
+            assert c.labels_needed() <= allowed, (spec.name, c.id, c.labels_needed() - allowed)
+
+
+def test_rendering_fills_every_placeholder(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    for alert, cid, p, q in _rendered(th, runbooks):
+        assert "{{" not in q and "${" not in q, (alert, cid, p, q)
+    c = runbooks["StepwatchRankSkew"].check("throttled")
+    q = c.render({"instance": '10.0.0.1:8000', "rank": 'a"b\\c'}, th, "drill")
+    assert 'instance=~"10.0.0.1:.*"' in q and 'gpu="a\\"b\\\\c"' in q and "[15m]" in q
+    q = runbooks["StepwatchStepTimeRegression"].check("cache_hits_down").render({}, th, "drill")
+    assert "hit_ratio_rate1m" in q and 'shape=""' in q  # a missing label renders empty
+    assert runbooks["StepwatchOutOfMemory"].check("vae_stage").render({}, th, "production").count("[15m]") == 1
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
+def test_every_check_query_parses_as_promql(th: Any, runbooks: dict[str, parse.Runbook], tmp_path: Path) -> None:
+    rules = []
+    for i, (_alert, _cid, _p, q) in enumerate(_rendered(th, runbooks)):
+        rules.append({"record": f"runbook_check:q{i}", "expr": q})
+    f = tmp_path / "checks.yml"
+    f.write_text(yaml.safe_dump({"groups": [{"name": "runbook-checks", "rules": rules}]}))
+    assert PROMTOOL is not None
+    r = subprocess.run([PROMTOOL, "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in r.stdout
+
+
+def test_checks_name_only_series_that_exist(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    known = series_names() | rulegen.recorded_names(th) | {"up"}
+    for alert, cid, p, q in _rendered(th, runbooks):
+        names = promql.metric_names(q)
+        assert names, (alert, cid)
+        assert names <= known, (alert, cid, p, names - known)
+        for name, labels in promql.selector_labels(q).items():
+            can = promql.known_labels(name)
+            assert can is None or labels <= can, (alert, cid, name, labels - (can or set()))
+
+
+# ----- flow and causes ------------------------------------------------------------------------
+
+def test_cause_vocabulary_is_shared_and_documented(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    used = set().union(*(rb.causes() for rb in runbooks.values()))
+    assert used == set(CAUSES)  # every cause reachable, nothing outside the vocabulary
+    table = re.findall(r"^\| `([a-z_0-9]+)` \|", (RUNBOOKS / "README.md").read_text(), re.M)
+    assert table == list(CAUSES)
+    # Every diagnosis number in the thresholds is used by some check.
+    text = "".join(c.query + str(c.healthy) for rb in runbooks.values() for c in rb.checks)
+    for name in th.diagnosis:
+        assert "${diagnosis." + name + "}" in text, name
+
+
+def test_every_path_ends(runbooks: dict[str, parse.Runbook]) -> None:
+    for rb in runbooks.values():
+        for pattern in ("healthy", "unhealthy", "unknown"):
+            cause, trail = parse.follow(rb, lambda c, o=pattern: o)  # type: ignore[misc]
+            assert trail and (cause is None or cause in CAUSES)
+
+
+def test_judge_and_follow(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    rb = runbooks["StepwatchQualityDrop"]
+    hits = rb.check("hits_up")
+    assert hits.judge([0.1, 0.2], th) == "healthy"
+    assert hits.judge([0.1, 0.31], th) == "unhealthy"
+    assert hits.judge([float("nan")], th) == "unhealthy"
+    assert hits.judge([], th) == "unknown"
+    assert rb.check("cache_hitting").judge([], th) == "healthy"
+    outcomes = {"fingerprint": "healthy", "one_instance": "healthy", "hits_up": "unhealthy"}
+    cause, trail = parse.follow(rb, lambda c: outcomes[c.id])  # type: ignore[return-value]
+    assert cause == "cache_threshold_too_high"
+    assert [(s.check.id, s.outcome, s.goes_to) for s in trail] == [
+        ("fingerprint", "healthy", "next"), ("one_instance", "healthy", "next"),
+        ("hits_up", "unhealthy", "cache_threshold_too_high")]
+    # A jump: hit rate below baseline goes straight to "is the cache running?".
+    shift = runbooks["StepwatchCacheHitRateShift"]
+    cause, trail = parse.follow(shift, lambda c: "healthy" if c.id == "direction" else "unhealthy")
+    assert cause == "cache_disabled" and [s.check.id for s in trail] == ["direction", "cache_running"]
+
+
+def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    drills = parse.load_drills()
+    assert [d.id for d in drills] == ["cache_past_gate", "off_menu_resolutions", "vae_tiling_off", "straggler_rank",
+                                      "queue_overload"]
+    for d in drills:
+        assert d.within == "60s"
+        for alert in d.alerts:
+            assert d.cause in runbooks[th.by_name(alert).name].causes(), (d.id, alert)
+
+
+def test_fault_table_links_resolve() -> None:
+    text = (RUNBOOKS / "fault-table.md").read_text()
+    rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith("| symptom")]
+    assert len(rows) == 12  # DESIGN section 4
+    for target in re.findall(r"\]\(([a-z-]+\.md)\)", text):
+        assert (RUNBOOKS / target).is_file(), target
+    for cause in re.findall(r"`([a-z_0-9]+)`", text):
+        if "_" in cause and not cause.startswith("stepwatch"):
+            assert cause in CAUSES, cause
+
+
+def _doc(item: str) -> str:
+    return f"# X\n## Meaning\n## Impact\n## Diagnosis\n{item}\n## Mitigation\n## Dashboard\n"
+
+
+def _item(**check: str) -> str:
+    body = "\n".join(f"   {k}: {v}" for k, v in {"id": "a", "query": "up", **check}.items())
+    return f"1. **A?**\n\n   ```check\n{body}\n   ```"
+
+
+@pytest.mark.parametrize("text, message", [
+    (_doc("1. **A?** b").replace("## Dashboard\n", ""), "missing section(s) ## Dashboard"),
+    (_doc("1. **A?** no block"), "diagnosis item 1 needs exactly one ```check block"),
+    (_doc(_item(healthy="'< 1'", if_unhealthy="made_up_cause", if_healthy="end")),
+     "check a: if_unhealthy 'made_up_cause' is not a cause"),
+    (_doc(_item(healthy="'about 1'", if_unhealthy="host_down", if_healthy="end")), "healthy 'about 1' is not"),
+    (_doc(_item(healthy="'< 1'", if_unhealthy="host_down", if_healthy="next")), "'next' (not on the last check)"),
+    (_doc(_item(healthy="'< 1'", if_unhealthy="host_down", if_healthy="end", empty="maybe")),
+     "empty 'maybe' is not one of"),
+    (_doc(_item(healthy="'< 1'", if_healthy="end")), "check 1 is missing if_unhealthy"),
+])
+def test_parser_errors_name_the_problem(text: str, message: str) -> None:
+    with pytest.raises(RunbookError, match=re.escape(message)):
+        parse.parse_runbook(text, "x.md")
+
+
+# ----- names against live expositions ---------------------------------------------------------
+
+def _exporter_exposition(flux_pipe: Any, registry: Any) -> str:
+    """A real practice pipeline, instrumented, after two small requests (cache on, baselines published)."""
+    from stepwatch.exporter import instrument
+    from stepwatch.service.cache import apply_cache
+
+    apply_cache(flux_pipe, "first_block_cache", 1.0)
+    instrument(flux_pipe, registry=registry, shapes=["256x256_8s"], peak_flops=1e12,
+               baselines={"256x256_8s": {"step_seconds": 0.05, "cache_hit_ratio": 0.25}})
+    for _ in range(2):
+        flux_pipe("w1", height=256, width=256, num_inference_steps=8, max_sequence_length=32, output_type="np")
+    return generate_latest(registry).decode()
+
+
+# owner -> how to get that owner's live /metrics text.  The service's and the sidecar's
+# expositions plug in here (one line each) once their tests can run them in-process.
+LIVE_EXPOSITIONS = {"exporter": _exporter_exposition}
+# Exporter series that a plain request cannot produce (they need a compile, an OOM, a hook
+# error, or a multi-rank run): declared in the exposition, without samples.
+EVENT_ONLY = {"stepwatch_compile_total", "stepwatch_oom_total", "stepwatch_exporter_errors_total",
+              "stepwatch_rank_step_duration_seconds", "stepwatch_rank_busy_seconds_total", "stepwatch_rank_steps_total"}
+
+
+def _names_used(th: Any, runbooks: dict[str, parse.Runbook]) -> set[str]:
+    used: set[str] = set()
+    for p in PROFILES:
+        for g in rulegen.rule_groups(th, p):
+            for r in g["rules"]:
+                used |= promql.metric_names(r["expr"])
+    for _alert, _cid, _p, q in _rendered(th, runbooks):
+        used |= promql.metric_names(q)
+    return used
+
+
+def _exposed(text: str) -> tuple[set[str], set[str]]:
+    """(series names declared by # TYPE lines, series names with at least one sample)."""
+    declared: set[str] = set()
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+        declared |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram" else {name}
+    sampled = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, re.M))
+    return declared, sampled
+
+
+@pytest.mark.parametrize("owner", sorted(LIVE_EXPOSITIONS))
+def test_names_used_appear_in_live_exposition(owner: str, th: Any, runbooks: dict[str, parse.Runbook],
+                                              clean_flux: Any, registry: Any) -> None:
+    text = LIVE_EXPOSITIONS[owner](clean_flux, registry)
+    declared, sampled = _exposed(text)
+    owned = {s: m.name for m in METRICS if m.owner == owner for s in m.series_names()}
+    used = {s for s in _names_used(th, runbooks) if s in owned}
+    assert used, owner
+    assert used <= declared, (owner, used - declared)
+    if owner == "exporter":
+        assert {"stepwatch_pipeline_step_duration_seconds_sum", "stepwatch_cache_decisions_total",
+                "stepwatch_memory_peak_ratio_bucket", "stepwatch_baseline_step_duration_seconds",
+                "stepwatch_ledger_flops_total", "stepwatch_device_peak_flops_per_second"} <= used
+        assert {owned[s] for s in used - sampled} <= EVENT_ONLY, used - sampled
+        # The exact series the rules select are there with the labels they select on.
+        for sample in ('stepwatch_memory_peak_ratio_bucket{device="cpu",le="0.9"} ',
+                       'stepwatch_memory_peak_ratio_count{device="cpu"} 2.0',
+                       'stepwatch_pipeline_step_duration_seconds_count{shape="256x256_8s"} 16.0',
+                       'stepwatch_cache_decisions_total{cache="first_block_cache",decision="hit",shape="256x256_8s"}',
+                       'stepwatch_cache_decisions_total{cache="first_block_cache",decision="miss",shape="256x256_8s"}',
+                       'stepwatch_baseline_cache_hit_ratio{shape="256x256_8s"} 0.25',
+                       'stepwatch_device_peak_flops_per_second{device="cpu"} 1e+12',
+                       'stepwatch_memory_peak_bytes{device="cpu",stage="vae_decode"}'):
+            assert sample in text, sample
