@@ -84,6 +84,7 @@ class ServiceConfig:
     text_tokens: int = 32
     compile: CompileConfig = field(default_factory=CompileConfig)
     warmup: list[str] = field(default_factory=lambda: ["512x512"])
+    warmup_steps: int = 2  # compiled graphs do not depend on the step count; fewer steps warm faster
     cache: CacheConfig = field(default_factory=CacheConfig)
     vae_tiling: bool = True
     memory_budget_mb: float | None = 700.0  # headroom above the warmed worker; None: no budget
@@ -105,13 +106,17 @@ class ServiceConfig:
         return [*self.pools, self.other_pool]
 
     def serving_shapes(self) -> list[str]:
-        """The exporter's label allowlist: every pool size at the default steps, CFG off and on."""
+        """The exporter's label allowlist: every pool size at the default steps, CFG off and on, and the
+        warm-up shapes (at warmup_steps)."""
         out = []
         for p in self.pools:
             for s in p.sizes:
                 w, h = parse_size(s)
                 out += [f"{h}x{w}_{self.default_steps}s", f"{h}x{w}_{self.default_steps}s_cfg"]
-        return out
+        for s in self.warmup:
+            w, h = parse_size(s)
+            out.append(f"{h}x{w}_{self.warmup_steps}s")
+        return sorted(set(out))
 
     def to_raw(self) -> dict[str, Any]:
         """A dict that parse() turns back into this config (sent to the worker process)."""
@@ -205,10 +210,13 @@ def validate(cfg: ServiceConfig) -> None:
     if cfg.model is not None and not (Path(cfg.model) / "model_index.json").is_file():
         raise ConfigError(f"model: {cfg.model} is not a diffusers model directory (no model_index.json)")
     parse_size(cfg.default_size, "default_size")
-    for key in ("default_steps", "max_steps", "max_side", "max_pixels", "max_n", "text_tokens", "ranks", "seed"):
+    for key in ("default_steps", "max_steps", "max_side", "max_pixels", "max_n", "text_tokens", "ranks", "seed",
+                "warmup_steps"):
         _check_type(getattr(cfg, key), int, key)
     if not 1 <= cfg.default_steps <= cfg.max_steps:
         raise ConfigError(f"default_steps: must be within 1..max_steps ({cfg.max_steps})")
+    if cfg.warmup_steps < 1:
+        raise ConfigError("warmup_steps: must be >= 1")
     if cfg.ranks not in (1, 2):
         raise ConfigError(f"ranks: {cfg.ranks} is not 1 or 2")
     if cfg.max_n < 1:

@@ -40,7 +40,7 @@ from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Schedule
 log = logging.getLogger("stepwatch.service")
 
 KNOB_TYPES: dict[str, Any] = {"cache": str, "cache_threshold": (int, float), "vae_tiling": bool, "compile": bool,
-                              "rank_delay_seconds": dict}
+                              "rank_delay_seconds": dict, "baselines": dict}
 
 
 class WorkerDied(Exception):
@@ -170,6 +170,11 @@ class Service:
         self._stop = threading.Event()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True, name="stepwatch-dispatch")
         for p in cfg.all_pools():
+            # Children at 0 from the start: the first error of a pool is then a visible increase.
+            for code in ("200", "429", "500", "503", "507"):
+                self.m.service_requests_total.labels(pool=p.name, code=code)
+            self.m.service_images_nonfinite_total.labels(pool=p.name)
+            self.m.queue_rejected_total.labels(pool=p.name)
             self.m.queue_slo_seconds.labels(pool=p.name).set(p.slo_seconds)
             self.m.queue_depth.labels(pool=p.name).set(0)
             self.m.queue_estimated_wait_seconds.labels(pool=p.name).set(0)
@@ -207,7 +212,7 @@ class Service:
                 from stepwatch.service.config import parse_size
 
                 width, height = parse_size(w["size"])
-                req = GenerationRequest("", 1, width, height, self.cfg.default_steps, 1.0, 0)
+                req = GenerationRequest("", 1, width, height, self.cfg.warmup_steps, 1.0, 0)
                 for _ in range(3):
                     self.predictor.observe(req, w["seconds"], w.get("stages", {}))
         self._publish_config()
@@ -362,6 +367,20 @@ class Service:
             if knobs["cache"] not in KINDS:
                 raise api.ApiError(400, f"cache {knobs['cache']!r} is not one of {', '.join(KINDS)}", "cache",
                                    "invalid_knobs")
+        if "baselines" in knobs:
+            from stepwatch.exporter.shapes import ShapeKey
+
+            shapes = knobs["baselines"].get("shapes", knobs["baselines"])
+            for shape, vals in shapes.items():
+                try:
+                    ShapeKey.parse(str(shape))
+                except ValueError as e:
+                    raise api.ApiError(400, f"baselines: {e}", "baselines", "invalid_knobs") from None
+                if not isinstance(vals, dict) or not all(
+                        k in ("step_seconds", "cache_hit_ratio") and isinstance(v, (int, float)) and v >= 0
+                        for k, v in vals.items()):
+                    raise api.ApiError(400, f"baselines: {shape}: expected {{step_seconds, cache_hit_ratio}} >= 0",
+                                       "baselines", "invalid_knobs")
         if "rank_delay_seconds" in knobs:
             for r, d in knobs["rank_delay_seconds"].items():
                 if not str(r).isdigit() or int(r) >= self.cfg.ranks or not isinstance(d, (int, float)) or d < 0:
@@ -415,7 +434,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, e: api.ApiError) -> None:
-        self._send(e.status, e.body(), e.headers)
+        try:
+            self._send(e.status, e.body(), e.headers)
+        except (BrokenPipeError, ConnectionResetError):
+            log.debug("client went away before the error answer")
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -466,6 +488,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         except api.ApiError as e:
             status = e.status
             self._error(e)
+        except (BrokenPipeError, ConnectionResetError):
+            status = 499  # the client went away before the answer (nginx's convention)
+            log.debug("client went away before the answer")
         except Exception as e:  # never take the instance down for one request
             log.exception("unexpected error serving a request")
             status = 500

@@ -136,7 +136,7 @@ class Worker:
         with self.inst.warmup():
             for size in self.cfg.warmup:
                 w, h = parse_size(size)
-                req = GenerationRequest("warm up", 1, w, h, self.cfg.default_steps, 1.0, 0)
+                req = GenerationRequest("warm up", 1, w, h, self.cfg.warmup_steps, 1.0, 0)
                 for i in range(2):
                     t = time.perf_counter()
                     self._run(req)
@@ -183,6 +183,9 @@ class Worker:
             if warm and self.compile_active:
                 self.warmup()
         self.knobs.setdefault("compile", self.compile_active)
+        if "baselines" in knobs:
+            self.inst.set_baselines(knobs["baselines"])
+            self.knobs["baselines"] = sorted(knobs["baselines"].get("shapes", knobs["baselines"]))
         if "rank_delay_seconds" in knobs:
             self.rank_delays = {int(k): float(v) for k, v in (knobs["rank_delay_seconds"] or {}).items()}
             self.knobs["rank_delay_seconds"] = {str(k): v for k, v in self.rank_delays.items()}
