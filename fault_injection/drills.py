@@ -1,0 +1,542 @@
+"""The fault drills: inject a runbook fault into the practice service and prove the alerting sees it.
+
+A drill passes only if the expected alert fires within the goal (60 s; the
+seeds' bar is 600 s), no unexpected critical alert fires, the service stays
+healthy before, during and after, the alert resolves after the fault is
+removed, and the drill's own checks hold (the clear OOM error, p99 up with p50
+flat, 429s with Retry-After, ...).  Alert names and thresholds come from the
+thresholds source, never from literals here.
+
+Each drill: health check (abort if unhealthy) -> baseline traffic until
+steady (nothing firing) -> inject -> watch Prometheus and the webhook ->
+restore -> wait for the alert to resolve -> checks.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stepwatch.alerts.thresholds import Thresholds
+from stepwatch.alerts.thresholds import load as load_thresholds
+from stepwatch.fault_injection.stack import LocalStack, Traffic
+
+GOAL_S = 60.0
+SEEDS_BAR_S = 600.0
+DETECT_DEADLINE_S = 150.0
+RESOLVE_DEADLINE_S = 240.0
+SEED_DRILLS = ("cache-threshold", "off-menu-resolution", "vae-tiling-oom")
+ALL_DRILLS = (*SEED_DRILLS, "queue-overload", "straggler")
+
+
+@dataclass
+class DrillResult:
+    name: str
+    expected_alert: str
+    expected_cause: str | None = None
+    passed: bool = False
+    time_to_detect_s: float | None = None
+    time_to_webhook_s: float | None = None
+    alerts_fired: list[str] = field(default_factory=list)
+    expected_labels: dict[str, str] = field(default_factory=dict)
+    service_survived: bool = True
+    resolved: bool = False
+    time_to_resolve_s: float | None = None
+    checks: dict[str, bool] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+    triage_cause: str | None = None
+    triage: dict[str, Any] | None = None
+    injected_at: float = 0.0
+    restored_at: float = 0.0
+    ended_at: float = 0.0
+    snapshots: list[str] = field(default_factory=list)
+
+    def summary_json(self) -> dict[str, Any]:
+        return {"name": self.name, "passed": self.passed, "expected_alert": self.expected_alert,
+                "time_to_detect_s": _r(self.time_to_detect_s), "alerts_fired": sorted(self.alerts_fired),
+                "service_survived": self.service_survived, "triage_cause": self.triage_cause}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
+
+
+class Drill:
+    """One drill; subclasses say how to break the service and what must hold.
+
+    What must fire, the cause triage must name, the time limit and the knob values
+    come from the drill's block in runbooks/drills.md (the text people follow by hand).
+    """
+
+    name = ""
+    doc_id = ""  # the id of the drill block in runbooks/drills.md
+    companions: tuple[str, ...] = ()  # thresholds keys of alerts that may fire with it
+    silent: tuple[str, ...] = ()  # thresholds keys that must NOT fire
+    needs_ranks = 1
+    description = ""
+
+    def __init__(self, th: Thresholds, spec: Any = None) -> None:
+        from stepwatch.runbooks.parse import load_drills
+
+        self.th = th
+        self.spec = spec or next(d for d in load_drills() if d.id == self.doc_id)
+        known = {a.name for a in th.alerts.values()}
+        for name in self.spec.alerts:
+            if name not in known:
+                raise ValueError(f"runbooks/drills.md {self.doc_id}: {name} is not an alert in the thresholds")
+
+    @property
+    def expected(self) -> str:
+        return str(self.spec.alerts[0])
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        return tuple(self.spec.alerts)
+
+    @property
+    def cause(self) -> str:
+        return str(self.spec.cause)
+
+    @property
+    def within_s(self) -> float:
+        from stepwatch.alerts.thresholds import parse_duration
+
+        return parse_duration(self.spec.within)
+
+    def inject_knobs(self) -> dict[str, Any]:
+        return dict(self.spec.inject.get("knobs") or {})
+
+    def restore_knobs(self, previous: dict[str, Any]) -> dict[str, Any]:
+        knobs = self.spec.restore.get("knobs")
+        if knobs == "previous":
+            return {k: previous[k] for k in self.inject_knobs() if previous.get(k) is not None}
+        return dict(knobs or {})
+
+    def baseline_traffic(self) -> list[dict[str, Any]] | None:
+        return None  # the stack's default mix
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        raise NotImplementedError
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        raise NotImplementedError
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        """Checks to run once the alert fired, with the fault still in place."""
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        """Checks after the fault is removed."""
+
+    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
+        return bool(alert["labels"].get("alertname") == self.expected)
+
+
+class CacheThreshold(Drill):
+    name = "cache-threshold"
+    doc_id = "cache_past_gate"
+    companions = ("cache_hit_rate_shift",)
+    silent = ("step_time_regression",)
+    description = ("The cross-step cache threshold is pushed past the quality gate: images degrade while "
+                   "every performance panel looks normal or better. Only the quality probe can see it.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details["serving_knobs"] = stack.info()["knobs"]
+        r.details["step_seconds_before"] = _mean_step(stack)
+        stack.knobs(**self.inject_knobs())
+        r.notes.append(f"knobs {self.inject_knobs()}: every step but the first and the last reuses the cache")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        p10 = stack.prom.value('min(stepwatch_quality_psnr_decibels{quantile="p10"})')
+        gate = stack.prom.value("min(stepwatch_quality_gate_decibels)")
+        r.details["psnr_p10_db"] = p10
+        r.details["gate_db"] = gate
+        r.details["step_seconds_during"] = _mean_step(stack)
+        before, during = r.details.get("step_seconds_before"), r.details["step_seconds_during"]
+        r.checks["psnr_below_gate_minus_margin"] = (p10 is not None and gate is not None
+                                                    and p10 < gate - self.th.quality.alert_margin_db)
+        r.checks["performance_normal_or_better"] = bool(before and during and during <= before * 1.1)
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        stack.knobs(**self.restore_knobs(r.details.get("serving_knobs", {})))
+
+
+class OffMenuResolution(Drill):
+    name = "off-menu-resolution"
+    doc_id = "off_menu_resolutions"
+    companions = ("queue_wait", "step_time_regression", "probe_failing")
+    description = ("A batch of resolutions that are not on the warm-up list: each compiles while serving, "
+                   "so p99 jumps while p50 stays flat.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details["latency_before"] = _quantiles(stack)
+        codes: list[int] = []
+        sizes = list(self.spec.traffic.get("sizes", []))
+        per = int(self.spec.traffic.get("requests_per_size", 1))
+
+        def batch() -> None:
+            for size in sizes:
+                for i in range(per):
+                    st, _, _ = stack.generate(size=size, seed=i)
+                    codes.append(st)
+
+        t = threading.Thread(target=batch, daemon=True)
+        t.start()
+        r.details["_batch"] = t
+        r.details["off_menu_codes"] = codes
+        r.notes.append(f"sent {', '.join(sizes)} (not on the warm-up list)")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        t = r.details.pop("_batch", None)
+        if t is not None:
+            t.join(timeout=300)
+        time.sleep(2 * _scrape_s(self.th))
+        after = _quantiles(stack)
+        before = r.details["latency_before"]
+        r.details["latency_during"] = after
+        r.checks["off_menu_requests_served"] = all(c == 200 for c in r.details["off_menu_codes"])
+        r.checks["p99_rises"] = bool(before["p99"] and after["p99"] and after["p99"] > 1.5 * before["p99"])
+        r.checks["p50_flat"] = bool(before["p50"] and after["p50"] and after["p50"] < 1.5 * before["p50"])
+        fired = [a for a in stack.prom.firing() if self.expected_alert_matches(a)]
+        r.details["culprit_shapes"] = sorted({a["labels"].get("shape", "") for a in fired})
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        t = r.details.pop("_batch", None)
+        if t is not None:
+            t.join(timeout=300)
+
+
+class VaeTilingOom(Drill):
+    name = "vae-tiling-oom"
+    doc_id = "vae_tiling_off"
+    companions = ("probe_failing",)
+    description = ("VAE tiling off and a 2048^2 request: the VAE decode needs more memory than the worker has. "
+                   "The memory alert fires, that request fails with a clear error, the instance keeps serving.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        info = stack.info()
+        r.details["worker_rss_before"] = info["worker"]["rss_bytes"]
+        r.details["worker_pid_before"] = info["worker"]["pid"]
+        stack.knobs(**self.inject_knobs())
+        tr = self.spec.traffic
+        size = tr["sizes"][0]
+        status, body, _ = stack.generate(size=size, steps=int(tr.get("steps", 1)))
+        msg = body.get("error", {}).get("message", "") if isinstance(body, dict) else str(body)
+        r.details["oom_status"] = status
+        r.details["oom_message"] = msg
+        r.checks["oom_request_fails_with_507"] = status == 507
+        r.checks["oom_message_names_stage_shape_fix"] = ("vae_decode" in msg and size in msg
+                                                         and "fix:" in msg and "tiling" in msg)
+        then = tr.get("then", {})
+        st2, _, _ = stack.generate(size=then.get("sizes", ["256x256"])[0])
+        r.checks["next_request_succeeds"] = st2 == int(then.get("expect_status", 200))
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        stack.knobs(**self.restore_knobs({}))
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        info = stack.info()
+        before, now = r.details.get("worker_rss_before"), info["worker"]["rss_bytes"]
+        r.details["worker_rss_after"] = now
+        r.checks["same_worker_no_restart"] = info["worker"]["pid"] == r.details.get("worker_pid_before")
+        r.checks["memory_back_near_baseline"] = bool(before and now and abs(now - before) <= 0.15 * before)
+        st, _, _ = stack.generate(size="2048x2048", steps=1)
+        r.checks["2048_fits_with_tiling"] = st == 200
+
+
+class QueueOverload(Drill):
+    name = "queue-overload"
+    doc_id = "queue_overload"
+    companions = ("probe_failing",)
+    description = ("A burst beyond capacity: the estimated wait passes SLO/2 (scale out), then the hard limit: "
+                   "clients get 429 with Retry-After, and no request is lost.")
+
+    def baseline_traffic(self) -> list[dict[str, Any]] | None:
+        return [{"prompt": "a lighthouse at dusk", "size": "256x256"}]
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        tr = self.spec.traffic
+        clients, seconds = int(tr["concurrent"]), float(tr.get("seconds", 25))
+        r.details["requests_before"] = _service_requests(stack)
+        burst = Traffic(stack.service_url, [{"prompt": "a storm at sea", "size": tr["size"],
+                                             "steps": int(tr.get("steps", 8))}], concurrency=clients).start()
+        r.details["_burst"] = burst
+        r.details["_burst_until"] = time.time() + seconds
+        r.notes.append(f"{clients} clients sending {tr['size']} x {tr.get('steps', 8)} steps for {seconds:.0f}s")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        burst: Traffic = r.details["_burst"]
+        time.sleep(max(0.0, r.details["_burst_until"] - time.time()))
+        wait = stack.prom.value("max(stepwatch_queue_estimated_wait_seconds)")
+        r.details["estimated_wait_s"] = wait
+        burst.stop()
+        r.details["burst_codes"] = {str(k): v for k, v in sorted(burst.codes.items())}
+        r.checks["some_429_with_retry_after"] = burst.codes.get(429, 0) > 0
+        accept = {int(c) for c in self.spec.traffic.get("accept_status", [200, 429])}
+        r.checks["every_request_answered"] = set(burst.codes) <= accept and not burst.errors
+        r.details["_burst_total"] = burst.total
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        burst = r.details.get("_burst")
+        if burst is not None:
+            burst.stop()
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details.pop("_burst", None)
+        r.details.pop("_burst_until", None)
+
+
+class Straggler(Drill):
+    name = "straggler"
+    doc_id = "straggler_rank"
+    companions = ("step_time_regression",)
+    needs_ranks = 2
+    description = ("Two ranks with Ulysses sequence parallelism; rank 1 is slowed on every step (a throttled "
+                   "GPU). Every step waits for it; the rank-skew alert must name rank 1.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        stack.knobs(**self.inject_knobs())
+        r.notes.append(f"knobs {self.inject_knobs()}: rank 1 is slowed on every step")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        fired = [a for a in stack.prom.firing() if self.expected_alert_matches(a)]
+        ranks = sorted({a["labels"].get("rank", "") for a in fired})
+        delayed = sorted(str(k) for k in self.inject_knobs().get("rank_delay_seconds", {}))
+        r.details["slow_ranks"] = ranks
+        r.checks["names_the_delayed_rank"] = ranks == delayed
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        stack.knobs(**self.restore_knobs({}))
+
+
+DRILLS: dict[str, type[Drill]] = {d.name: d for d in (CacheThreshold, OffMenuResolution, VaeTilingOom,
+                                                      QueueOverload, Straggler)}
+
+
+def _scrape_s(th: Thresholds) -> float:
+    from stepwatch.alerts.thresholds import parse_duration
+
+    return parse_duration(th.profiles["drill"].scrape_interval)
+
+
+def _mean_step(stack: LocalStack) -> float | None:
+    return stack.prom.value("sum(rate(stepwatch_pipeline_step_duration_seconds_sum[1m])) / "
+                            "sum(rate(stepwatch_pipeline_step_duration_seconds_count[1m]))")
+
+
+def _quantiles(stack: LocalStack) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for q, name in ((0.5, "p50"), (0.99, "p99")):
+        v = stack.prom.value(f"histogram_quantile({q}, sum by (le) "
+                             "(rate(stepwatch_service_request_duration_seconds_bucket[1m])))")
+        out[name] = None if v is None or math.isnan(v) else v
+    return out
+
+
+def _service_requests(stack: LocalStack) -> float:
+    return stack.prom.value("sum(stepwatch_service_requests_total)") or 0.0
+
+
+class Runner:
+    """Runs drills on a stack and watches Prometheus, Alertmanager's webhook and the service."""
+
+    def __init__(self, stack: LocalStack, th: Thresholds | None = None,
+                 progress: Callable[[str], None] | None = None,
+                 triage: Callable[[LocalStack, DrillResult], dict[str, Any] | None] | None = None) -> None:
+        self.stack = stack
+        self.th = th or load_thresholds()
+        self.progress = progress or (lambda m: None)
+        self.triage = triage
+        self.critical = {a.name for a in self.th.alerts.values() if a.severity == "critical"}
+        self.record_dir: Any = None  # a Path: record each drill's window as a triage scenario
+
+    def _record(self, drill: Drill, r: DrillResult) -> None:
+        try:
+            from stepwatch.triage.record import record_scenario
+        except ImportError:
+            return
+        try:
+            meta = {"drill": drill.name, "expected_cause": drill.cause, "expected_alert": drill.expected,
+                    "alerts": list(drill.required), "injected_at": r.injected_at,
+                    "detected_at": r.injected_at + (r.time_to_detect_s or 0.0), "restored_at": r.restored_at,
+                    "passed": r.passed}
+            path = record_scenario(self.stack.prometheus_url, r.injected_at - 150, r.ended_at,
+                                   self.record_dir / drill.name, meta)
+            r.notes.append(f"recorded as a triage scenario: {path}")
+        except Exception as e:
+            r.notes.append(f"recording the scenario failed: {type(e).__name__}: {e}")
+
+    def _firing_names(self) -> set[str]:
+        return {a["labels"].get("alertname", "") for a in self.stack.prom.firing()}
+
+    def wait_quiet(self, watch: set[str], timeout: float = 240.0) -> set[str]:
+        """Wait until none of ``watch`` fires (e.g. a previous drill's alert still resolving)."""
+        deadline = time.time() + timeout
+        firing = self._firing_names() & watch
+        while firing and time.time() < deadline:
+            time.sleep(2)
+            firing = self._firing_names() & watch
+        return firing
+
+    def run(self, drill: Drill, steady_s: float = 25.0) -> DrillResult:
+        st = self.stack
+        r = DrillResult(drill.name, drill.expected, expected_cause=drill.cause)
+        names = {k: self.th.alert(k).name for k in (*drill.companions, *drill.silent)}
+        allowed = {*drill.required, *(names[k] for k in drill.companions)}
+        self.progress(f"[{drill.name}] {drill.description}")
+        if not st.healthy():
+            r.service_survived = False
+            r.failures.append("service unhealthy before the drill: aborted")
+            return r
+        traffic_bodies = drill.baseline_traffic()
+        with st.traffic(traffic_bodies, concurrency=2) as traffic:
+            self.progress(f"[{drill.name}] baseline traffic; waiting until nothing fires")
+            time.sleep(steady_s)
+            # The drill's own alert and every critical must be quiet before the fault goes in.
+            leftover = self.wait_quiet({drill.expected} | self.critical)
+            if leftover:
+                r.notes.append(f"still firing before injection: {sorted(leftover)}")
+                r.details["_pre"] = sorted(leftover)
+            already = self._firing_names()
+            if already:
+                r.notes.append(f"firing before injection (not counted against the drill): {sorted(already)}")
+            r.checks["healthy_before"] = st.healthy()
+            if not r.checks["healthy_before"]:
+                r.service_survived = False
+                r.failures.append("service unhealthy before injection: aborted")
+                return r
+            r.injected_at = time.time()
+            self.progress(f"[{drill.name}] injecting the fault")
+            try:
+                drill.inject(st, r)
+            except Exception as e:
+                r.failures.append(f"injection failed: {type(e).__name__}: {e}")
+            seen: set[str] = set()
+            healthy_during = True
+            deadline = r.injected_at + DETECT_DEADLINE_S
+            while time.time() < deadline:
+                try:
+                    alerts = st.prom.firing()
+                except Exception as e:
+                    r.notes.append(f"prometheus query failed: {e}")
+                    alerts = []
+                seen |= {a["labels"].get("alertname", "") for a in alerts}
+                hit = [a for a in alerts if drill.expected_alert_matches(a)]
+                if hit and r.time_to_detect_s is None:
+                    r.time_to_detect_s = time.time() - r.injected_at
+                    r.expected_labels = {k: v for k, v in hit[0]["labels"].items()}
+                    self.progress(f"[{drill.name}] {drill.expected} firing after {r.time_to_detect_s:.1f}s")
+                if r.time_to_detect_s is not None and st.webhook is not None and r.time_to_webhook_s is None:
+                    note = st.webhook.first_firing(drill.expected, r.injected_at)
+                    if note is not None:
+                        r.time_to_webhook_s = note.received - r.injected_at
+                if r.time_to_detect_s is not None and (st.webhook is None or r.time_to_webhook_s is not None):
+                    break
+                healthy_during = healthy_during and st.healthy()
+                time.sleep(1.0)
+            if r.time_to_detect_s is not None:
+                try:
+                    drill.while_firing(st, r)
+                except Exception as e:
+                    r.failures.append(f"check while firing failed: {type(e).__name__}: {e}")
+                if self.triage is not None:
+                    try:
+                        verdict = self.triage(st, r)
+                        if verdict:
+                            r.triage = verdict
+                            r.triage_cause = verdict.get("cause")
+                    except Exception as e:
+                        r.notes.append(f"triage failed: {type(e).__name__}: {e}")
+            seen |= self._firing_names()
+            healthy_during = healthy_during and st.healthy()
+            r.restored_at = time.time()
+            self.progress(f"[{drill.name}] restoring")
+            try:
+                drill.restore(st, r)
+            except Exception as e:
+                r.failures.append(f"restore failed: {type(e).__name__}: {e}")
+            deadline = r.restored_at + RESOLVE_DEADLINE_S
+            while time.time() < deadline:
+                firing = self._firing_names()
+                seen |= firing
+                if drill.expected not in firing:
+                    r.resolved = True
+                    r.time_to_resolve_s = time.time() - r.restored_at
+                    break
+                time.sleep(2.0)
+            try:
+                drill.after(st, r)
+            except Exception as e:
+                r.failures.append(f"check after restore failed: {type(e).__name__}: {e}")
+            r.details["baseline_traffic_codes"] = {str(k): v for k, v in sorted(traffic.codes.items())}
+        r.checks["healthy_during"] = healthy_during
+        r.checks["healthy_after"] = st.healthy()
+        r.service_survived = healthy_during and r.checks["healthy_after"]
+        r.alerts_fired = sorted(seen)
+        r.ended_at = time.time()
+        unexpected_critical = sorted((seen & self.critical) - allowed - set(r.details.get("_pre", [])))
+        r.details.pop("_pre", None)
+        silent_fired = sorted({names[k] for k in drill.silent} & seen)
+        r.checks["detected"] = r.time_to_detect_s is not None
+        r.checks["within_goal"] = r.time_to_detect_s is not None and r.time_to_detect_s <= min(GOAL_S,
+                                                                                               drill.within_s)
+        missing = [a for a in drill.required if a not in seen]
+        r.checks["all_required_alerts_fired"] = not missing
+        if missing:
+            r.failures.append(f"required alerts did not fire: {missing}")
+        if self.triage is not None:
+            r.checks["triage_names_the_cause"] = r.triage_cause == drill.cause
+            if r.triage_cause != drill.cause:
+                r.failures.append(f"triage named {r.triage_cause!r}, expected {drill.cause!r}")
+        r.checks["webhook_delivered"] = st.webhook is None or r.time_to_webhook_s is not None
+        r.checks["no_unexpected_critical"] = not unexpected_critical
+        r.checks["resolved_after_restore"] = r.resolved
+        if drill.silent:
+            r.checks["silent_alerts_stayed_silent"] = not silent_fired
+        if unexpected_critical:
+            r.failures.append(f"unexpected critical alerts: {unexpected_critical}")
+        if silent_fired:
+            r.failures.append(f"alerts that must stay silent fired: {silent_fired}")
+        for k, ok in r.checks.items():
+            if not ok and not any(k in f for f in r.failures):
+                r.failures.append(f"check failed: {k}")
+        r.details = {k: v for k, v in r.details.items() if not k.startswith("_")}
+        r.passed = not r.failures and all(r.checks.values())
+        if self.record_dir is not None:
+            self._record(drill, r)
+        self.progress(f"[{drill.name}] {'PASS' if r.passed else 'FAIL'}"
+                      + (f" detect {r.time_to_detect_s:.1f}s" if r.time_to_detect_s is not None else "")
+                      + (f"; {'; '.join(r.failures)}" if r.failures else ""))
+        return r
+
+
+def calibrate_baselines(stack: LocalStack, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Per-shape step-time and hit-rate baselines from steady traffic, published through the admin knob.
+
+    In production the baseline file comes from the deployment's benchmark run;
+    for the drills it is measured on the practice service itself.
+    """
+    progress = progress or (lambda m: None)
+    step = stack.prom.query("sum by (shape) (rate(stepwatch_pipeline_step_duration_seconds_sum[1m])) / "
+                            "sum by (shape) (rate(stepwatch_pipeline_step_duration_seconds_count[1m]))")
+    hits = stack.prom.query('sum by (shape) (rate(stepwatch_cache_decisions_total{decision="hit"}[1m])) / '
+                            "sum by (shape) (rate(stepwatch_cache_decisions_total[1m]))")
+    shapes: dict[str, dict[str, float]] = {}
+    for s in step:
+        if s.label("shape") != "other" and s.value == s.value and s.value > 0:
+            shapes.setdefault(s.label("shape"), {})["step_seconds"] = round(s.value, 6)
+    for s in hits:
+        if s.label("shape") in shapes and s.value == s.value and s.value > 0:
+            shapes[s.label("shape")]["cache_hit_ratio"] = round(s.value, 4)
+    if shapes:
+        stack.knobs(baselines={"shapes": shapes})
+    progress(f"baselines from steady traffic: {shapes}")
+    return shapes
