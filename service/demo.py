@@ -1,8 +1,14 @@
-"""``stepwatch demo``: the exporter on the practice pipeline, end to end, in one process.
+"""``stepwatch demo``: the main job on the embedded default.
 
-Builds the offline FLUX pipeline, instruments it, serves /metrics on loopback,
-generates images at two shapes (one with a first-block cache on), and prints
-what was measured, read back from the /metrics endpoint itself.
+Brings up the local stack on loopback ports - the practice service (a real
+offline FLUX pipeline, instrumented, compiled, under a memory budget), the
+sidecar (quality prober), Prometheus with the drill-profile rules and
+Alertmanager routing to a webhook receiver - sends traffic, runs every fault
+drill (the seeds' three, queue overload, and a straggler rank on a two-rank
+stack), and ends with the path of the drill report.
+
+``--exporter-only`` runs the small in-process demo instead: the exporter on the
+practice pipeline at two shapes, /metrics served on loopback, a summary.
 """
 
 from __future__ import annotations
@@ -15,6 +21,12 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drills", nargs="+", default=["all"], metavar="NAME",
+                   help="drills to run (default: all; 'seeds' for the seeds' three)")
+    p.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default=None,
+                   help="torch.compile backend of the practice service (default: inductor)")
+    p.add_argument("--out", default="reports", help="report directory (default: %(default)s)")
+    p.add_argument("--exporter-only", action="store_true", help="the small in-process exporter demo instead")
     p.add_argument("--port", type=int, default=9464, help="loopback port for /metrics (0: any free port)")
     p.add_argument("--shapes", nargs="+", default=["512x512", "1024x1024"], metavar="WxH",
                    help="image sizes to generate (default: %(default)s)")
@@ -37,6 +49,17 @@ def _parse_size(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.exporter_only:
+        from stepwatch.fault_injection import drill
+
+        drill_args = argparse.Namespace(drills=args.drills, out=args.out, compile_backend=args.compile_backend,
+                                        no_snapshots=False, no_triage=False, json=False, record=None,
+                                        service=None, prometheus=None, alertmanager=None, admin_token=None)
+        return drill.run(drill_args)
+    return exporter_demo(args)
+
+
+def exporter_demo(args: argparse.Namespace) -> int:
     import torch
     from prometheus_client import CollectorRegistry, start_http_server
 

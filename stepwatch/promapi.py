@@ -58,11 +58,7 @@ class Prometheus:
         return body["data"]
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return _ready(self.url)
 
     def query(self, expr: str, at: float | None = None) -> list[Sample]:
         params: dict[str, Any] = {"query": expr}
@@ -132,14 +128,18 @@ class Alertmanager:
         self.timeout = timeout
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return _ready(self.url)
 
     def alerts(self) -> list[dict[str, Any]]:
         return list(_get(f"{self.url}/api/v2/alerts", self.timeout))
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
 
 
 def _num(v: Any) -> float:

@@ -1,0 +1,92 @@
+"""Fault drills: their specs, their report, and the drills themselves end to end (heavy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stepwatch.alerts.thresholds import load
+from stepwatch.fault_injection.drills import ALL_DRILLS, DRILLS, GOAL_S, SEED_DRILLS, DrillResult
+from stepwatch.fault_injection.report import render_markdown
+from stepwatch.runbooks.parse import CAUSES, load_drills
+
+TH = load()
+
+
+def test_every_drill_reads_its_block_in_the_runbook() -> None:
+    ids = {d.id for d in load_drills()}
+    assert set(DRILLS) == set(ALL_DRILLS)
+    for name, cls in DRILLS.items():
+        d = cls(TH)
+        assert d.doc_id in ids, name
+        assert d.cause in CAUSES
+        assert d.within_s <= GOAL_S
+        assert d.expected in {a.name for a in TH.alerts.values()}
+        for key in (*d.companions, *d.silent):
+            TH.alert(key)  # every companion/silent key is a real alert
+    assert DRILLS["cache-threshold"](TH).restore_knobs({"cache_threshold": 0.7, "vae_tiling": True}) == {
+        "cache_threshold": 0.7}
+    assert DRILLS["vae-tiling-oom"](TH).required == ("StepwatchMemoryPressure", "StepwatchOutOfMemory")
+
+
+def test_report_markdown_has_the_table_and_the_failures() -> None:
+    ok = DrillResult("cache-threshold", "StepwatchQualityDrop", expected_cause="cache_threshold_too_high",
+                     passed=True, time_to_detect_s=21.4, time_to_webhook_s=22.0, checks={"detected": True},
+                     triage_cause="cache_threshold_too_high")
+    bad = DrillResult("vae-tiling-oom", "StepwatchMemoryPressure", expected_cause="vae_tiling_off",
+                      time_to_detect_s=75.0, checks={"within_goal": False}, failures=["check failed: within_goal"])
+    md = render_markdown([ok, bad], TH)
+    assert "| cache-threshold | PASS | StepwatchQualityDrop | 21.4 s | 22.0 s | met | met | yes | " \
+           "cache_threshold_too_high |" in md
+    assert "| vae-tiling-oom | **FAIL** | StepwatchMemoryPressure | 75.0 s | - | missed | met |" in md
+    assert "Overall: **FAIL**" in md and "- check failed: within_goal" in md
+    assert ok.summary_json() == {"name": "cache-threshold", "passed": True,
+                                 "expected_alert": "StepwatchQualityDrop", "time_to_detect_s": 21.4,
+                                 "alerts_fired": [], "service_survived": True,
+                                 "triage_cause": "cache_threshold_too_high"}
+
+
+def _run_drills(names: list[str], out: Path) -> tuple[int, dict, str]:
+    p = subprocess.run([sys.executable, "-m", "stepwatch.cli", "drill", *names, "--compile-backend", "aot_eager",
+                        "--out", str(out), "--json"], capture_output=True, text=True, timeout=1500)
+    summary = json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else {}
+    return p.returncode, summary, p.stdout[-4000:] + p.stderr[-6000:]
+
+
+def _check(summary: dict, names: tuple[str, ...], out: Path) -> None:
+    by = {d["name"]: d for d in summary["drills"]}
+    assert set(by) == set(names)
+    for name in names:
+        d = by[name]
+        assert d["passed"], d
+        assert d["time_to_detect_s"] is not None and d["time_to_detect_s"] <= GOAL_S
+        assert d["service_survived"]
+        assert d["expected_alert"] in d["alerts_fired"]
+        cls = DRILLS[name](TH)
+        if d["triage_cause"] is not None:
+            assert d["triage_cause"] == cls.cause
+    reports = list(out.glob("drill-*/report.md"))
+    assert len(reports) == 1
+    text = reports[0].read_text()
+    for name in names:
+        assert f"## {name}" in text
+    data = json.loads((reports[0].parent / "report.json").read_text())
+    assert data["passed"] is True and len(data["drills"]) == len(names)
+
+
+@pytest.mark.heavy
+def test_seed_drills_end_to_end(tmp_path: Path) -> None:
+    rc, summary, log = _run_drills(["seeds"], tmp_path)
+    assert rc == 0, log
+    _check(summary, SEED_DRILLS, tmp_path)
+
+
+@pytest.mark.heavy
+def test_queue_overload_and_straggler_drills(tmp_path: Path) -> None:
+    rc, summary, log = _run_drills(["queue-overload", "straggler"], tmp_path)
+    assert rc == 0, log
+    _check(summary, ("queue-overload", "straggler"), tmp_path)
