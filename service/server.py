@@ -234,8 +234,14 @@ class Service:
         log.error("%s; restarting it", _exit_text(code))
         self.worker.start()
 
+    def config_id(self) -> str:
+        """The fingerprint plus every knob: changes with any runtime change (the fingerprint proper leaves out
+        the lossy knobs, since quality baselines must stay comparable across them)."""
+        return fingerprint_id({"fingerprint": self.fingerprint, "knobs": self.knobs})
+
     def _publish_config(self) -> None:
-        info = {"instance_id": self.instance_id, "fingerprint_id": fingerprint_id(self.fingerprint)}
+        info = {"instance_id": self.instance_id, "fingerprint_id": fingerprint_id(self.fingerprint),
+                "config_id": self.config_id()}
         for k, v in sorted(self.knobs.items()):
             info[k] = json.dumps(v) if isinstance(v, dict) else str(v)
         # Info metrics keep old label sets; clear so only the current config shows.
@@ -343,7 +349,7 @@ class Service:
         return {
             "instance_id": self.instance_id, "fingerprint": self.fingerprint,
             "fingerprint_id": fingerprint_id(self.fingerprint) if self.fingerprint else None,
-            "knobs": self.knobs, "ready": self.ready,
+            "knobs": self.knobs, "config_id": self.config_id(), "ready": self.ready,
             "pools": {p.name: {"sizes": p.sizes, "slo_seconds": p.slo_seconds, "max_wait_seconds": p.max_wait_seconds}
                       for p in self.cfg.all_pools()},
             "default_size": self.cfg.default_size, "default_steps": self.cfg.default_steps,
@@ -396,10 +402,10 @@ class Service:
         self.knobs = reply["knobs"]
         self.fingerprint = reply["fingerprint"]
         self._publish_config()
-        log.warning("admin knobs changed: %s -> %s (fingerprint %s)", before, self.knobs,
-                    fingerprint_id(self.fingerprint))
+        log.warning("admin knobs changed: %s -> %s (fingerprint %s, config %s)", before, self.knobs,
+                    fingerprint_id(self.fingerprint), self.config_id())
         return {"knobs": self.knobs, "fingerprint": self.fingerprint,
-                "fingerprint_id": fingerprint_id(self.fingerprint)}
+                "fingerprint_id": fingerprint_id(self.fingerprint), "config_id": self.config_id()}
 
     def metrics_text(self) -> bytes:
         self._update_gauges()

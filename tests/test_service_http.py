@@ -83,8 +83,11 @@ def test_cache_knob_changes_the_hit_rate(svc: ServiceProc, restore: None) -> Non
         return h, m
 
     low_hits, _ = hits_of(3)
+    info0 = svc.get("/v1/stepwatch/info")[1]
     status, body, _ = svc.knobs(cache_threshold=5.0)
     assert status == 200 and body["knobs"]["cache_threshold"] == 5.0
+    # A knob change shows in the config id, not in the deployment fingerprint (baselines stay comparable).
+    assert body["config_id"] != info0["config_id"] and body["fingerprint_id"] == info0["fingerprint_id"]
     before = svc.metrics()
     high_hits, _ = hits_of(3)
     after = svc.metrics()
@@ -96,6 +99,7 @@ def test_cache_knob_changes_the_hit_rate(svc: ServiceProc, restore: None) -> Non
     assert info["knobs"]["cache_threshold"] == 5.0
     cfg_info = [ls for (n, ls) in after if n == "stepwatch_service_config_info"]
     assert len(cfg_info) == 1 and ("cache_threshold", "5.0") in cfg_info[0]
+    assert ("config_id", body["config_id"]) in cfg_info[0]
 
 
 def test_vae_tiling_off_oom_fails_the_request_and_the_next_succeeds(svc: ServiceProc, restore: None) -> None:
