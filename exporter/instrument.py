@@ -456,7 +456,6 @@ class Instrumentation:
                     req.oom_demand = self.memory.in_use_bytes() + requested
             else:
                 req.outcome = "error"
-            self._reset_cache_state()
         phase = self.phase
         if all(self.clock.ready(m) for m in (req.end,)):
             self._emit(req, phase)
@@ -464,16 +463,6 @@ class Instrumentation:
             with self._pending_lock:
                 self._pending.append((req, phase))
             _Resolver.ensure(self)
-
-    def _reset_cache_state(self) -> None:
-        """A call that died mid-way leaves cache state behind; the next call must start clean."""
-        den = _denoiser(self.pipe)
-        reset = getattr(den, "_reset_stateful_cache", None)
-        if reset is not None:
-            try:
-                reset()
-            except Exception as e:
-                self._guard.fail("cache.reset", e)
 
     def _drain_pending(self) -> None:
         if not self._pending:

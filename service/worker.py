@@ -247,6 +247,11 @@ class Worker:
             oom = is_oom(exc)
             stage = rep.failed_stage if rep is not None else None
             del exc
+            # diffusers resets cache-hook state only at the end of a call that finished: a call that died
+            # mid-way would leave the next one starting from stale residuals.
+            reset = getattr(self.pipe.transformer, "_reset_stateful_cache", None)
+            if reset is not None:
+                reset()
             gc.collect()
             _malloc_trim()
             if oom:
