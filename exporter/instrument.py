@@ -202,6 +202,20 @@ class Instrumentation:
                 self._guard.fail("ledger.model", e)
         if self.options.baselines is not None:
             self.set_baselines(self.options.baselines)
+        # Event counters exist at 0 from the start for the serving shapes, so the first OOM or the first
+        # serving compile of a shape is an increase that rate() and increase() see.
+        for shape in [*sorted(self.labeler.known), "other"]:
+            m.compile_total.labels(shape=shape, phase="serving")
+            for stage in (*STAGES, "prepare", "postprocess"):
+                m.oom_total.labels(shape=shape, stage=stage)
+        m.exporter_errors_total.labels(component="request.begin")
+
+    def refresh_capacity(self) -> None:
+        """Re-read the capacity now (e.g. after the worker armed its memory budget)."""
+        try:
+            self._capacity_child.set(self.memory.capacity_bytes())
+        except Exception as e:
+            self._guard.fail("memory.capacity", e)
 
     def set_baselines(self, source: str | Path | Mapping[str, Any]) -> None:
         """Publish per-shape baselines (step seconds, cache hit ratio) as gauges for the rules."""
@@ -654,7 +668,16 @@ class _ShapeChildren:
         self.position = m.cache_hit_position_ratio.labels(shape=shape)
         self.step_flops = m.ledger_step_flops.labels(shape=shape)
         self.flops = m.ledger_flops_total.labels(shape=shape)
-        self.mfu = m.ledger_mfu_ratio.labels(shape=shape)
+        self._m = m
+        self._shape = shape
+        self._mfu: Any = None
+
+    @property
+    def mfu(self) -> Any:
+        """Created on first use: an MFU series at 0 would read as "no useful work", not "unknown"."""
+        if self._mfu is None:
+            self._mfu = self._m.ledger_mfu_ratio.labels(shape=self._shape)
+        return self._mfu
 
 
 class _Phase:

@@ -168,6 +168,14 @@ class Child:
         self._log.close()
 
 
+def _up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
 def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
           timeout: float = 600) -> tuple[int, Any, dict[str, str]]:
     data = json.dumps(body).encode() if body is not None else None
@@ -315,7 +323,8 @@ class LocalStack:
                                 "--instance-id", f"practice:{svc_port}"], self.workdir / "service.log",
                     env={"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")})
         self.children.append(svc)
-        # Alertmanager and Prometheus start while the service warms up.
+        # Alertmanager starts while the service warms up; Prometheus only once every target it scrapes is
+        # up (else TargetDown fires for the sidecar that starts after the baseline capture).
         am_port, prom_port = free_port(), free_port()
         self.alertmanager_url = f"http://127.0.0.1:{am_port}"
         self.prometheus_url = f"http://127.0.0.1:{prom_port}"
@@ -323,27 +332,12 @@ class LocalStack:
         self.children.append(Child("alertmanager", cfgs.alertmanager_argv(
             self.workdir / "alertmanager.yml", self.workdir / "am-data", f"127.0.0.1:{am_port}"),
             self.workdir / "alertmanager.log"))
-        sidecar_port = free_port() if self.with_sidecar else None
-        self.sidecar_url = f"http://127.0.0.1:{sidecar_port}" if sidecar_port else None
-        rules = cfgs.rule_file(self.profile)
-        if not rules.is_file():  # a checkout without generated rules: generate them for this run
-            from stepwatch.alerts.rulegen import rules_file
-            from stepwatch.alerts.thresholds import load as load_thresholds
-
-            rules = self.workdir / f"stepwatch-{self.profile}.rules.yml"
-            rules.write_text(rules_file(load_thresholds(), self.profile))
-        (self.workdir / "prometheus.yml").write_text(cfgs.prometheus_config(
-            f"{self.service_url}/metrics", f"{self.sidecar_url}/metrics" if self.sidecar_url else None,
-            rule_files=[rules], alertmanager_url=self.alertmanager_url, profile=self.profile))
-        self.children.append(Child("prometheus", cfgs.prometheus_argv(
-            self.workdir / "prometheus.yml", self.workdir / "prom-data", f"127.0.0.1:{prom_port}"),
-            self.workdir / "prometheus.log"))
-        self.prom = Prometheus(self.prometheus_url)
         self.am = Alertmanager(self.alertmanager_url)
-        self._wait(lambda: self.prom.ready(), "prometheus", deadline)
         self._wait(lambda: self.am is not None and self.am.ready(), "alertmanager", deadline)
         self._wait(lambda: self._ready(), "service", deadline, child=svc)
         self.progress(f"service ready in {time.time() - self.started:.0f}s")
+        sidecar_port = free_port() if self.with_sidecar else None
+        self.sidecar_url = f"http://127.0.0.1:{sidecar_port}" if sidecar_port else None
         if self.with_sidecar:
             from stepwatch.exporter.sidecar.capture import capture_baseline
             from stepwatch.exporter.sidecar.config import default_probe_set
@@ -363,11 +357,28 @@ class LocalStack:
                 self.knobs(**restore)
             probe_file = self.workdir / "probe-set.yaml"
             probe_file.write_text(yaml.safe_dump(probes.to_dict()))
-            self.children.append(Child("sidecar", [
+            sidecar = Child("sidecar", [
                 sys.executable, "-m", "stepwatch.cli", "sidecar", "--target", self.service_url,
                 "--port", str(sidecar_port), "--baseline-dir", str(self.workdir / "baselines"),
                 "--probe-set", str(probe_file), "--interval", f"{self.probe_interval:g}"],
-                self.workdir / "sidecar.log"))
+                self.workdir / "sidecar.log")
+            self.children.append(sidecar)
+            self._wait(lambda: _up(f"{self.sidecar_url}/metrics"), "sidecar", deadline, child=sidecar)
+        rules = cfgs.rule_file(self.profile)
+        if not rules.is_file():  # a checkout without generated rules: generate them for this run
+            from stepwatch.alerts.rulegen import rules_file
+            from stepwatch.alerts.thresholds import load as load_thresholds
+
+            rules = self.workdir / f"stepwatch-{self.profile}.rules.yml"
+            rules.write_text(rules_file(load_thresholds(), self.profile))
+        (self.workdir / "prometheus.yml").write_text(cfgs.prometheus_config(
+            f"{self.service_url}/metrics", f"{self.sidecar_url}/metrics" if self.sidecar_url else None,
+            rule_files=[rules], alertmanager_url=self.alertmanager_url, profile=self.profile))
+        self.children.append(Child("prometheus", cfgs.prometheus_argv(
+            self.workdir / "prometheus.yml", self.workdir / "prom-data", f"127.0.0.1:{prom_port}"),
+            self.workdir / "prometheus.log"))
+        self.prom = Prometheus(self.prometheus_url)
+        self._wait(lambda: self.prom.ready(), "prometheus", deadline)
         jobs = {cfgs.SERVICE_JOB} | ({cfgs.SIDECAR_JOB} if self.with_sidecar else set())
         self.prom.wait_targets_up(jobs, timeout=max(30.0, deadline - time.time()))
         self.progress(f"stack up in {time.time() - self.started:.0f}s: service {self.service_url}, "

@@ -125,14 +125,22 @@ class Worker:
         self.budget.arm()
         if self.budget.limit is not None:
             self.budget.install_compile_hooks()
+        self.inst.refresh_capacity()
         return {"setup_seconds": time.perf_counter() - t0, "warmup": warm}
 
     def warmup(self) -> list[dict[str, Any]]:
-        """Compile (if on) and measure every warm-up size: twice each, the second run is the steady state."""
+        """Compile (if on) and measure every warm-up size: twice each, the second run is the steady state.
+
+        With a cross-step cache on, the compiled blocks take a different path on a cache hit (Dynamo
+        guards on the hook's decision), so each size also runs once with every middle step forced to
+        hit: otherwise the first hit in serving would compile, and page as a serving recompile.
+        """
         from stepwatch.service.api import GenerationRequest
+        from stepwatch.service.cache import apply_cache, current
         from stepwatch.service.config import parse_size
 
         out = []
+        kind, threshold = current(self.pipe.transformer)
         with self.inst.warmup():
             for size in self.cfg.warmup:
                 w, h = parse_size(size)
@@ -144,6 +152,12 @@ class Worker:
                     out.append({"size": size, "run": i, "seconds": time.perf_counter() - t,
                                 "compiles": len(rep.compiles) if rep else 0,
                                 "stages": dict(rep.stages) if rep else {}, "shape": str(rep.shape) if rep else ""})
+                if kind == "first_block_cache" and self.compile_active:
+                    apply_cache(self.pipe, kind, 1e9)
+                    try:
+                        self._run(GenerationRequest("warm up", 1, w, h, max(3, self.cfg.warmup_steps), 1.0, 0))
+                    finally:
+                        apply_cache(self.pipe, kind, threshold)
         return out
 
     def fingerprint(self) -> dict[str, Any]:
@@ -168,20 +182,26 @@ class Worker:
         from stepwatch.service.cache import apply_cache, current
 
         pipe = self.pipe
+        rewarm = False
         if "cache" in knobs or "cache_threshold" in knobs:
-            kind = knobs.get("cache", current(pipe.transformer)[0])
+            before = current(pipe.transformer)[0]
+            kind = knobs.get("cache", before)
             threshold = knobs.get("cache_threshold", self.knobs.get("cache_threshold"))
             apply_cache(pipe, kind, threshold, steps=self.cfg.default_steps)
             self.knobs["cache"] = kind
             self.knobs["cache_threshold"] = threshold
+            # Another cache kind changes the blocks' forward: a compiled service re-warms its shapes, as a
+            # redeploy with the new config would (a threshold change alone edits the hook in place).
+            rewarm = kind != before and self.compile_active
         if "vae_tiling" in knobs:
             (pipe.vae.enable_tiling if knobs["vae_tiling"] else pipe.vae.disable_tiling)()
             self.knobs["vae_tiling"] = bool(knobs["vae_tiling"])
         if "compile" in knobs and bool(knobs["compile"]) != self.compile_active:
             self._set_compile(bool(knobs["compile"]))
             self.knobs["compile"] = self.compile_active
-            if warm and self.compile_active:
-                self.warmup()
+            rewarm = rewarm or self.compile_active
+        if warm and rewarm:
+            self.warmup()
         self.knobs.setdefault("compile", self.compile_active)
         if "baselines" in knobs:
             self.inst.set_baselines(knobs["baselines"])

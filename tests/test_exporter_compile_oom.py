@@ -176,6 +176,7 @@ def test_gpu_check_dry_run_on_cpu() -> None:
     assert out["checks"] == {"sync_detector_fires": True, "no_sync_in_hooks": True, "reports_resolved": True,
                              "event_times_match_sync_times": True}
     assert len(out["step_seconds_events"]) == 4 and out["exporter_errors"] == {}
+    assert len(out["event_vs_sync_relative_diff"]) == 2
     if not __import__("torch").cuda.is_available():
         p = subprocess.run([sys.executable, "-m", "stepwatch.cli", "gpu-check"], capture_output=True, text=True,
                            timeout=120)
