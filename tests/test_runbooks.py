@@ -227,8 +227,8 @@ def _exporter_exposition(flux_pipe: Any, registry: Any) -> str:
     return generate_latest(registry).decode()
 
 
-# owner -> how to get that owner's live /metrics text.  The service's and the sidecar's
-# expositions plug in here (one line each) once their tests can run them in-process.
+# owner -> how to get that owner's live /metrics text in-process; the service's and the sidecar's come from
+# the real processes in test_service_and_sidecar_names_used_appear_live below.
 LIVE_EXPOSITIONS = {"exporter": _exporter_exposition}
 # Exporter series that a plain request cannot produce (they need a compile, an OOM, a hook
 # error, or a multi-rank run): declared in the exposition, without samples.
@@ -280,3 +280,40 @@ def test_names_used_appear_in_live_exposition(owner: str, th: Any, runbooks: dic
                        'stepwatch_device_peak_flops_per_second{device="cpu"} 1e+12',
                        'stepwatch_memory_peak_bytes{device="cpu",stage="vae_decode"}'):
             assert sample in text, sample
+
+
+@pytest.mark.heavy
+def test_service_and_sidecar_names_used_appear_live(th: Any, runbooks: dict[str, parse.Runbook],
+                                                   tmp_path: Path) -> None:
+    """The service's and the sidecar's own series that rules and runbooks use, from their real /metrics."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from stepwatch.exporter.sidecar.capture import capture_baseline
+    from stepwatch.exporter.sidecar.config import default_probe_set
+    from stepwatch.exporter.sidecar.prober import Prober
+    from tests.servicefixture import ServiceProc
+
+    svc = ServiceProc(tmp_path / "svc", {"compile": {"enabled": False}})
+    try:
+        probes = default_probe_set(size="256x256", steps=4)
+        capture_baseline(svc.url, probes, tmp_path / "base")
+        reg = CollectorRegistry()
+        prober = Prober(svc.url, registry=reg, baseline_dir=tmp_path / "base", probe_set=probes)
+        assert prober.run_once().status == "ok"
+        prober.metrics.quality_probe_interval_seconds.labels(probes.name).set(60)  # what run_forever exports
+        prober.close()
+        # No GPU here: the NVML side reads the fake provider (the one hardware fake allowed).
+        from tests.test_sidecar_nvml import FakeNvml, collector, gpu
+
+        collector(reg, FakeNvml([gpu(), gpu()]))
+        texts = {"service": svc.get("/metrics")[1], "sidecar": generate_latest(reg).decode()}
+    finally:
+        svc.close()
+    used_all = _names_used(th, runbooks)
+    for owner, text in texts.items():
+        declared, sampled = _exposed(text)
+        owned = {s for m in METRICS if m.owner == owner for s in m.series_names()}
+        used = used_all & owned
+        assert used, owner
+        assert used <= declared, (owner, used - declared)
+        assert used <= sampled, (owner, used - sampled)
