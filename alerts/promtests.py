@@ -244,11 +244,13 @@ def _errors(p: _P) -> Case:
     n = p.n(fire + p.s)
     codes = {"large": {"200": 100 - 100 * p.T * 1.1, "500": 60 * p.T * 1.1, "507": 40 * p.T * 1.1},
              "small": {"200": 100 - 100 * p.T * 0.9, "503": 100 * p.T * 0.9, "429": 10},
-             "other": {"200": 10}}
+             "other": {"200": 10},
+             # every request fails, but a handful in the window: below min_requests, silent
+             "idle": {"507": 0.05}}
     series = [Series("stepwatch_service_requests_total", {"job": SVC, "instance": I1, "pool": pool, "code": c},
                      ramp(round(v, 9), n)) for pool, cs in codes.items() for c, v in cs.items()]
     return Case("error_ratio", "pool large just over (500 + 507), pool small just under (429 is not an error), "
-                "pool other without errors", series,
+                "pool other without errors, pool idle all failing but under min_requests", series,
                 [Expect(fire - p.e, [], "for: not elapsed"), Expect(fire, [({"job": SVC, "pool": "large"},
                                                                             p.T * 1.1)])])
 

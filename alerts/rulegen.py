@@ -220,7 +220,13 @@ def _oom(th: Thresholds, spec: AlertSpec, profile: str) -> str:
 
 
 def _errors(th: Thresholds, spec: AlertSpec, profile: str) -> str:
-    return f"pool:stepwatch_service_requests:error_ratio_rate{_rate_window(th, profile)} > {num(spec.threshold)}"
+    w = _rate_window(th, profile)
+    floor = spec.extra.get("min_requests", 0)
+    ratio = f"pool:stepwatch_service_requests:error_ratio_rate{w} > {num(spec.threshold)}"
+    if not floor:
+        return ratio
+    return (f"  {ratio}\nand on (job, pool)\n"
+            f"  sum by (job, pool) (increase(stepwatch_service_requests_total[{w}])) >= {num(float(floor))}")
 
 
 def _nonfinite(th: Thresholds, spec: AlertSpec, profile: str) -> str:
