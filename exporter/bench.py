@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), metavar="SIZExSTEPS",
                    help="square size x steps per case (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=0,
-                   help="interleaved rounds per case (default: 40 below 512^2, else 10)")
+                   help="interleaved rounds per case (default: 40 below 512^2, else 24)")
     p.add_argument("--cache", default="none", choices=("none", "first_block_cache"),
                    help="run both variants with this cache on (default: none)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     print(f"{'shape':<16}{'step ms bare':>14}{'step ms instr':>15}{'us/step':>10}{'95% CI':>18}{'ratio':>9}")
     for size, steps in cases:
-        rounds = args.rounds or (40 if size < 512 else 10)
+        rounds = args.rounds or (40 if size < 512 else 24)
         print(f"  running {size}x{size} x {steps} steps, {rounds} interleaved rounds...", file=sys.stderr)
         r = run_case(bare, inst_pipe, size, steps, rounds)
         results.append(r)
