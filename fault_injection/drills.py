@@ -217,7 +217,7 @@ class OffMenuResolution(Drill):
 class VaeTilingOom(Drill):
     name = "vae-tiling-oom"
     doc_id = "vae_tiling_off"
-    companions = ("probe_failing",)
+    companions = ("probe_failing", "error_ratio")  # the OOM is a 5xx; triage groups it with the OOM
     description = ("VAE tiling off and a 2048^2 request: the VAE decode needs more memory than the worker has. "
                    "The memory alert fires, that request fails with a clear error, the instance keeps serving.")
 

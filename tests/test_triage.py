@@ -1,0 +1,258 @@
+"""Triage engine units: alert formats, flow and ranking, grouping, reports, and Prometheus down.
+
+A stub Prometheus answers each runbook query by the series it names, so these
+run in well under a second; tests/test_triage_replay.py runs the engine on
+real recorded data in a real Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from stepwatch.alerts.thresholds import load
+from stepwatch.promapi import PromError, Sample
+from stepwatch.runbooks.parse import CAUSES, load_all
+from stepwatch.triage import render
+from stepwatch.triage.cli_run import parse_time
+from stepwatch.triage.engine import Alert, Engine, alerts_from_webhook, mitigation_for, triage, webhook_payload
+
+TH = load()
+
+
+class StubProm:
+    """Answers a query with the value of the first rule whose pattern it matches (no match: no samples)."""
+
+    url = "http://stub:9090"
+
+    def __init__(self, rules: list[tuple[str, float | None]]) -> None:
+        self.rules = rules
+        self.queries: list[tuple[str, float | None]] = []
+
+    def query(self, expr: str, at: float | None = None) -> list[Sample]:
+        self.queries.append((expr, at))
+        if expr == "vector(1)":
+            return [Sample({}, 1.0)]
+        for pattern, value in self.rules:
+            if re.search(pattern, expr, re.S):
+                return [] if value is None else [Sample({}, value)]
+        return []
+
+
+def _alert(key: str, profile: str = "drill", **labels: str) -> Alert:
+    spec = TH.alert(key)
+    from stepwatch.alerts import rulegen
+
+    ann = rulegen.alert_annotations(TH, spec, profile)
+    return Alert(spec.name, {"alertname": spec.name, "job": "stepwatch-service",
+                             **rulegen.alert_labels(spec, profile), **labels}, ann, "2026-01-01T00:00:00Z")
+
+
+STRAGGLER = [
+    (r"ratio_to_fastest_rate1m", 0.62),  # step-time-regression #1: busy-time skew
+    (r"stepwatch_rank_step_duration_seconds:ratio_to_fastest", 0.58),  # rank-skew: still slow now
+    (r"stepwatch_gpu_", None),  # no NVML on this host
+    (r"stepwatch_quality_baseline_stale", 0.0),
+    (r"compile=~", None),
+]
+
+
+def test_alert_formats_parse_alike() -> None:
+    labels = {"alertname": "StepwatchRankSkew", "instance": "10.0.0.1:8000", "rank": "1", "severity": "warning"}
+    webhook = {"status": "firing", "labels": labels, "annotations": {"panel": "p"}, "startsAt": "t0"}
+    am_v2 = {"status": {"state": "active"}, "labels": labels, "annotations": {"panel": "p"}, "startsAt": "t0"}
+    prom = {"state": "firing", "labels": labels, "annotations": {"panel": "p"}, "activeAt": "t0", "value": "1.6"}
+    parsed = [Alert.parse(x) for x in (webhook, am_v2, prom)]
+    assert parsed[0] == parsed[1] == parsed[2]
+    a = parsed[0]
+    assert (a.name, a.host, a.severity, a.status) == ("StepwatchRankSkew", "10.0.0.1", "warning", "firing")
+    assert a.short() == "StepwatchRankSkew{instance=10.0.0.1:8000, rank=1}"
+    resolved = {**webhook, "status": "resolved"}
+    assert alerts_from_webhook({"alerts": [webhook, resolved]}) == [a]
+    assert webhook_payload([a])["alerts"][0]["labels"] == labels
+
+
+def test_straggler_alerts_share_one_incident_with_evidence() -> None:
+    skew = _alert("rank_skew", instance="127.0.0.1:8000", rank="1")
+    step = _alert("step_time_regression", instance="127.0.0.1:8000", shape="512x512_8s")
+    other_host = _alert("rank_skew", instance="10.9.9.9:8000", rank="0")
+    prom = StubProm(STRAGGLER)
+    report = Engine(prom, TH, at=1_700_000_000.0).run([skew, step, other_host])  # type: ignore[arg-type]
+    assert report.status == "incidents"
+    assert all(at == 1_700_000_000.0 for _, at in prom.queries)  # replay time reaches every query
+    assert len(report.incidents) == 2  # same cause, two hosts: two incidents
+    inc = report.incident_for("StepwatchStepTimeRegression")
+    assert inc is not None and inc is report.incident_for("StepwatchRankSkew")
+    assert inc.cause == "straggler_rank" and inc.confidence == "high"
+    assert {a.key for a in inc.alerts} == {skew.key, step.key}
+    assert inc.primary.alert.name == "StepwatchRankSkew"  # equal severity: the more certain first
+    ev = inc.evidence(4)
+    assert [(c.runbook, c.id, c.outcome) for c in ev[:2]] == [("rank-skew.md", "still_slow", "unhealthy"),
+                                                              ("step-time-regression.md", "rank_skew", "unhealthy")]
+    assert ev[0].value_text() == "0.58" and ev[0].condition == "<= 0.1"
+    assert 'rank="1"' in ev[0].query and 'instance="127.0.0.1:8000"' in ev[0].query
+    skew_diag = next(d for d in inc.diagnoses if d.alert.name == "StepwatchRankSkew")
+    assert skew_diag.path == ["throttled", "clock_low", "still_slow"]
+    assert [c.id for c in skew_diag.no_data()] == ["throttled", "clock_low"]
+    step_diag = next(d for d in inc.diagnoses if d.alert.name == "StepwatchStepTimeRegression")
+    assert step_diag.path == ["rank_skew"] and step_diag.cause == "straggler_rank"
+    assert "Straggler" in step_diag.next_step()
+    assert inc.to_json()["runbook_url"].endswith("rank-skew.md#stepwatchrankskew")
+    assert inc.to_json()["panel"] == TH.alert("rank_skew").panel
+
+
+def test_oom_and_memory_pressure_group_and_error_ratio_joins_them() -> None:
+    rules: list[tuple[str, float | None]] = [
+        (r'stage="vae_decode".*/ on \(\)', 3.5),  # memory-pressure #1: the decode peak over the denoise peak
+        (r'stepwatch_oom_total.*stage="vae_decode"', 1.0),
+        (r'vae_tiling=~', 1.0),
+        (r'code="507"', 1.0),
+    ]
+    mem = _alert("memory_pressure", instance="127.0.0.1:8000", device="cpu")
+    oom = _alert("oom", instance="127.0.0.1:8000", shape="other", stage="vae_decode")
+    err = _alert("error_ratio", pool="large")
+    report = Engine(StubProm(rules), TH).run([mem, oom, err])  # type: ignore[arg-type]
+    assert len(report.incidents) == 1
+    inc = report.incidents[0]
+    assert inc.cause == "vae_tiling_off"
+    assert [a.name for a in inc.alerts] == ["StepwatchMemoryPressure", "StepwatchOutOfMemory",
+                                            "StepwatchRequestErrorRatio"]
+    assert inc.severity == "critical" and inc.primary.alert.name == "StepwatchOutOfMemory"
+    # The error ratio's own runbook says "mostly OOMs"; the OOM incident says why.
+    assert [d.alert.name for d in inc.followers] == ["StepwatchRequestErrorRatio"]
+    err_diag = inc.followers[0]
+    assert err_diag.cause == "out_of_memory" and err_diag.path == ["mostly_oom"]
+    assert report.incident_for("StepwatchRequestErrorRatio") is inc
+
+
+def test_ranking_weighs_checks_for_and_against() -> None:
+    # Quality drop: fingerprint fine, instances alike, hits up -> the cache; the other causes ruled out.
+    rules: list[tuple[str, float | None]] = [
+        (r"baseline_stale", 0.0), (r"max\(stepwatch_quality_psnr_decibels.*- min", 0.4),
+        (r"hit_ratio_rate1m", 2.1), (r"histogram_quantile", 0.6), (r"count_over_time", 2.0),
+        (r'decision="hit"', 3.0)]
+    qd = _alert("quality_drop", instance="127.0.0.1:9465", probe_set="default", instance_id="svc", quantile="p10")
+    report = triage([qd], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
+    d = report.incidents[0].diagnoses[0]
+    assert d.cause == "cache_threshold_too_high" and d.confidence == "high"
+    assert d.path == ["fingerprint", "one_instance", "hits_up"]
+    top = d.candidates[0]
+    assert top.cause == "cache_threshold_too_high" and top.reached
+    assert [c.id for c in top.support] == ["hits_up", "cache_knob", "cache_hitting"]  # late_hits healthy: 0.6
+    assert [c.id for c in top.against] == ["late_hits"]
+    assert top.score == 3 + 3 - 1
+    assert {c: by.id for c, by in d.ruled_out()} == {"fingerprint_changed": "fingerprint",
+                                                      "bad_instance": "one_instance"}
+
+
+def test_no_data_is_not_evidence() -> None:
+    # Nothing answers: every check is "no data"; the flow may still reach a cause through the
+    # healthy branches, but only with low confidence, and no check counts for or against it.
+    rec = _alert("recompile", instance="127.0.0.1:8000", shape="other", phase="serving")
+    rules: list[tuple[str, float | None]] = [(r"phase=\"warmup\"", None)]
+    d = triage([rec], StubProm(rules), thresholds=TH).incidents[0].diagnoses[0]
+    # warmed_up says "empty: healthy": a shape never compiled in warm-up is the usual case.
+    assert d.cause == "recompile_unwarmed_shape" and d.checks[0].outcome == "healthy"
+    qd = _alert("quality_drop", instance="h:1", probe_set="default", instance_id="x", quantile="p10")
+    d = triage([qd], StubProm([]), thresholds=TH).incidents[0].diagnoses[0]
+    assert d.cause is None and d.flow_end == "end" and d.confidence == "none"
+    assert all(not c.support for c in d.candidates)
+    # Only cache_hitting, whose runbook says an empty answer means "no hits" (healthy), counts.
+    assert {c.cause: [r.id for r in c.against] for c in d.candidates if c.against} == {
+        "cache_threshold_too_high": ["cache_hitting"]}
+    assert "escalate" in d.next_step()
+
+
+def test_unknown_alert_and_all_clear() -> None:
+    foreign = Alert("NodeDiskFull", {"alertname": "NodeDiskFull", "instance": "n1:9100", "severity": "warning"})
+    report = triage([foreign], StubProm([]), thresholds=TH)  # type: ignore[arg-type]
+    inc = report.incidents[0]
+    assert inc.cause is None and inc.primary.error == "no runbook for NodeDiskFull"
+    assert "NO CAUSE FOUND" in render.terminal(report)
+    clear = triage([], StubProm([]), thresholds=TH)  # type: ignore[arg-type]
+    assert clear.status == "all_clear" and render.terminal(clear).startswith("ALL CLEAR")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_prometheus_down_could_not_check() -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    skew = _alert("rank_skew", instance="127.0.0.1:8000", rank="1")
+    report = triage([skew], url, thresholds=TH)
+    assert report.status == "could_not_check" and report.prometheus_error
+    inc = report.incidents[0]
+    assert inc.could_not_check and inc.cause is None
+    assert all(c.outcome == "error" and c.value_text() == "could not check" for c in inc.diagnoses[0].checks)
+    text = render.terminal(report)
+    assert text.startswith("COULD NOT CHECK: Prometheus at") and "LIKELY CAUSE" not in text
+    assert json.loads(render.as_json(report))["status"] == "could_not_check"
+
+
+@pytest.mark.parametrize("fmt", ["terminal", "json"])
+def test_cli_run_prometheus_down_exits_3_without_traceback(fmt: str) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    r = subprocess.run([sys.executable, "-m", "stepwatch.cli", "triage", "run", "--prometheus", url, "--format", fmt],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    if fmt == "json":
+        assert json.loads(r.stdout)["status"] == "could_not_check"
+    else:
+        assert r.stdout.startswith("COULD NOT CHECK: Prometheus did not answer")
+
+
+def test_terminal_output_cause_first_no_color_off_tty() -> None:
+    skew = _alert("rank_skew", instance="127.0.0.1:8000", rank="1")
+    report = Engine(StubProm(STRAGGLER), TH).run([skew])  # type: ignore[arg-type]
+    text = render.terminal(report)
+    lines = text.splitlines()
+    assert lines[2].startswith("LIKELY CAUSE: straggler_rank") and "[WARNING]" in lines[2]
+    assert lines[3].strip() == CAUSES["straggler_rank"]
+    assert any(line.startswith("  next: Straggler without throttling") for line in lines)
+    assert any(line.startswith("  runbook: https://") for line in lines)
+    assert "\033[" not in text
+    assert "\033[31m" in render.terminal(report, color=True) or "\033[33m" in render.terminal(report, color=True)
+    md = render.markdown(report)
+    assert md.startswith("# stepwatch triage: incidents") and "`straggler_rank`" in md and "| ✗ |" in md
+
+
+def test_every_runbook_cause_has_a_mitigation_line() -> None:
+    for rb in load_all().values():
+        for cause in rb.causes():
+            line = mitigation_for(rb.sections["Mitigation"], cause)
+            assert f"(`{cause}`" in line or f", `{cause}`" in line, (rb.file, cause)  # tagged bullets
+    qd = load_all()["StepwatchQualityDrop"].sections["Mitigation"]
+    assert mitigation_for(qd, "end").startswith("Nothing found (end): FP8")
+    assert mitigation_for(qd, "host_down") == ""
+
+
+def test_parse_time() -> None:
+    assert parse_time("1700000000.5") == 1700000000.5
+    assert parse_time("2023-11-14T22:13:20Z") == 1700000000.0
+    assert parse_time("-10m", now=1000.0) == 400.0
+    with pytest.raises(ValueError, match="not unix seconds"):
+        parse_time("yesterday")
+
+
+def test_query_errors_are_contained() -> None:
+    class Broken(StubProm):
+        def query(self, expr: str, at: float | None = None) -> list[Sample]:
+            if expr == "vector(1)":
+                return [Sample({}, 1.0)]
+            raise PromError("query: bad_data: parse error")
+
+    skew = _alert("rank_skew", instance="127.0.0.1:8000", rank="1")
+    report = Engine(Broken([]), TH).run([skew])  # type: ignore[arg-type]
+    d = report.incidents[0].diagnoses[0]
+    assert d.could_not_check and d.error is not None and "parse error" in d.error
+    assert report.status == "could_not_check"
+

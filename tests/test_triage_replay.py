@@ -1,0 +1,285 @@
+"""Triage on real data: recorded drills replayed into a real Prometheus, the webhook server, and the eval CLI.
+
+Each scenario under triage/scenarios/ is a recording of the practice service
+during a drill (or a no-fault control); see triage/README.md.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stepwatch.triage.cli_serve import TriageServer
+from stepwatch.triage.engine import triage, webhook_payload
+from stepwatch.triage.replay import Replay
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "triage" / "scenarios"
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
+                                reason="prometheus / promtool not installed")
+
+
+@pytest.fixture(scope="module")
+def replays(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Replay]]:
+    out: dict[str, Replay] = {}
+    try:
+        for name in ("straggler-1", "vae-tiling-oom-1", "queue-overload-1", "straggler-3-late",
+                     "cache-threshold-3-late"):
+            out[name] = Replay(SCENARIOS / name, tmp_path_factory.mktemp(name)).start()
+        yield out
+    finally:
+        for rp in out.values():
+            rp.stop()
+
+
+def test_straggler_names_rank_1_with_its_numbers(replays: dict[str, Replay]) -> None:
+    rp = replays["straggler-1"]
+    report = triage(rp.alerts(), rp.prom, at=rp.evaluated_at)
+    inc = report.incident_for("StepwatchRankSkew")
+    assert inc is not None and inc.cause == "straggler_rank" and inc.confidence == "high"
+    d = inc.primary
+    assert d.alert.labels["rank"] == "1"
+    assert d.path == ["throttled", "clock_low", "still_slow"]
+    assert [c.outcome for c in d.checks] == ["unknown", "unknown", "unhealthy"]  # no NVML on CPU hosts
+    ev = inc.evidence(4)
+    assert [c.id for c in ev] == ["still_slow"]
+    # The evidence is the runbook's query at the alert's labels, and its value is Prometheus' answer.
+    assert 'rank="1"' in ev[0].query and f'instance="{d.alert.labels["instance"]}"' in ev[0].query
+    direct = rp.prom.query(ev[0].query, at=rp.evaluated_at)
+    assert len(direct) == 1 and ev[0].values[0][1] == pytest.approx(direct[0].value)
+    assert direct[0].value > 0.1 and ev[0].condition == "<= 0.1"  # rank 1 is >10% slower than rank 0
+    assert inc.to_json()["runbook_url"].endswith("/rank-skew.md#stepwatchrankskew")
+
+
+def test_vae_oom_and_memory_pressure_are_one_incident(replays: dict[str, Replay]) -> None:
+    rp = replays["vae-tiling-oom-1"]
+    report = triage(rp.alerts(), rp.prom, at=rp.evaluated_at)
+    inc = report.incident_for("StepwatchMemoryPressure")
+    assert inc is not None and inc is report.incident_for("StepwatchOutOfMemory")
+    assert inc.cause == "vae_tiling_off" and inc.confidence == "high" and inc.severity == "critical"
+    assert sorted(a.name for a in inc.alerts) == ["StepwatchMemoryPressure", "StepwatchOutOfMemory"]
+    assert [(c.runbook, c.id, c.outcome) for c in inc.evidence(4)] == [
+        ("out-of-memory.md", "vae_stage", "unhealthy"), ("out-of-memory.md", "tiling_off", "unhealthy"),
+        ("memory-pressure.md", "vae_peak", "unhealthy")]
+    # The 2048x2048 request also compiled a new shape: a second, separate incident.
+    other = report.incident_for("StepwatchServingRecompile")
+    assert other is not None and other is not inc and other.cause == "recompile_unwarmed_shape"
+    assert report.incidents[0] is inc  # the critical one first
+
+
+@pytest.mark.parametrize("name, cause, alerts", [
+    ("straggler-3-late", "straggler_rank",
+     ["StepwatchRankSkew", "StepwatchStepTimeRegression", "StepwatchStepTimeRegression"]),
+    ("cache-threshold-3-late", "cache_threshold_too_high",
+     ["StepwatchCacheHitRateShift", "StepwatchCacheHitRateShift", "StepwatchQualityDrop"]),
+])
+def test_alerts_sharing_a_cause_are_one_incident(replays: dict[str, Replay], name: str, cause: str,
+                                                 alerts: list[str]) -> None:
+    """30 s into the fault the companion alerts fire too (per shape); one incident holds them all."""
+    rp = replays[name]
+    assert sorted(a["labels"]["alertname"] for a in rp.alerts()) == alerts
+    report = triage(rp.alerts(), rp.prom, at=rp.evaluated_at)
+    assert len(report.incidents) == 1
+    inc = report.incidents[0]
+    assert inc.cause == cause and inc.confidence == "high"
+    assert sorted(a.name for a in inc.alerts) == alerts and all(d.cause == cause for d in inc.diagnoses)
+    if name.startswith("straggler"):
+        # Both runbooks name rank skew; the step-time runbook's first check is the busy-time skew.
+        step = [d for d in inc.diagnoses if d.alert.name == "StepwatchStepTimeRegression"]
+        assert all(d.path == ["rank_skew"] and d.checks[0].values[0][1] > 0.1 for d in step)
+        assert inc.primary.alert.name == "StepwatchRankSkew"
+    else:
+        qd = next(d for d in inc.diagnoses if d.alert.name == "StepwatchQualityDrop")
+        assert inc.primary is qd  # critical before warning
+        assert qd.path == ["fingerprint", "one_instance", "hits_up"] and qd.checks[2].values[0][1] > 0.3
+        shift = [d for d in inc.diagnoses if d.alert.name == "StepwatchCacheHitRateShift"]
+        assert all(d.path == ["direction", "distilled", "knob_up"] for d in shift)
+
+
+def test_queue_overload_under_provisioned_and_probe_failures_follow(replays: dict[str, Replay]) -> None:
+    rp = replays["queue-overload-1"]
+    report = triage(rp.alerts(), rp.prom, at=rp.evaluated_at)
+    assert len(report.incidents) == 1
+    inc = report.incidents[0]
+    assert inc.cause == "under_provisioned" and inc.primary.alert.labels["pool"] == "small"
+    assert inc.primary.path == ["pool_wide", "slower", "restarts", "not_ready"]
+    values = {c.id: c.values[0][1] for c in inc.primary.checks}
+    assert values["pool_wide"] > 0.5 and values["slower"] <= 1.2 and values["not_ready"] == 1
+    # The prober's requests got 429s behind the same queue: that alert follows from this incident.
+    assert [(d.alert.name, d.cause) for d in inc.followers] == [("StepwatchQualityProbeFailing", "queue_backlog")]
+    assert {c for c, _ in inc.ruled_out()} >= {"queue_backlog", "instance_slowdown", "cold_start"}
+
+
+class _Sink:
+    """A tiny HTTP endpoint that keeps what is POSTed to it (the --forward target)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        sink = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                sink.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(204)
+                self.end_headers()
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/reports"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_serve_writes_the_report_within_5s_of_the_webhook(replays: dict[str, Replay], tmp_path: Path) -> None:
+    rp = replays["vae-tiling-oom-1"]
+    sink = _Sink()
+    server = TriageServer(rp.url, tmp_path / "out", port=0, forward=sink.url, at=rp.evaluated_at).start()
+    try:
+        # Alertmanager notifies the memory alert alone; the OOM firing on the same host joins it from context.
+        mem = [a for a in rp.alerts() if a["labels"]["alertname"] == "StepwatchMemoryPressure"]
+        payload = {**webhook_payload([]), "alerts": mem, "status": "firing"}
+        req = urllib.request.Request(server.url + "/alerts", data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.time()
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 200
+        latest = tmp_path / "out" / "latest.json"
+        while not latest.exists() and time.time() - t0 < 10:
+            time.sleep(0.01)
+        latency = time.time() - t0
+        print(f"webhook -> report on disk: {latency * 1000:.0f} ms")
+        assert latest.exists() and latency < 5.0
+        data = json.loads(latest.read_text())
+        assert data["latency_s"] < 5.0
+        assert data["incidents"][0]["cause"] == "vae_tiling_off"
+        assert sorted(data["incidents"][0]["alerts"])[0].startswith("StepwatchMemoryPressure")
+        assert any(a.startswith("StepwatchOutOfMemory") for a in data["incidents"][0]["alerts"])
+        assert len(data["incidents"]) == 1  # the recompile on the same host shares no cause: left out
+        for f in data["files"]:
+            assert (tmp_path / "out" / f).is_file()
+        txt = (tmp_path / "out" / data["files"][0]).read_text()
+        assert txt.splitlines()[2].startswith("LIKELY CAUSE: vae_tiling_off")
+        deadline = time.time() + 5
+        while not sink.bodies and time.time() < deadline:
+            time.sleep(0.01)
+        assert sink.bodies and sink.bodies[0]["incidents"][0]["cause"] == "vae_tiling_off"
+        # A resolved-only notification is recorded, not triaged; a bad body is refused.
+        resolved = {**payload, "status": "resolved", "alerts": [{**mem[0], "status": "resolved"}]}
+        urllib.request.urlopen(urllib.request.Request(server.url + "/alerts", data=json.dumps(resolved).encode(),
+                                                      method="POST"), timeout=5).read()
+        deadline = time.time() + 5
+        while len(server.written) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        assert server.written[-1]["status"] == "resolved"
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            urllib.request.urlopen(urllib.request.Request(server.url + "/alerts", data=b"[1,2", method="POST"),
+                                   timeout=5)
+    finally:
+        server.stop()
+        sink.httpd.shutdown()
+
+
+@pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
+                    reason="alertmanager not installed")
+def test_real_alertmanager_notifies_serve(replays: dict[str, Replay], tmp_path: Path) -> None:
+    """Alertmanager (drill routing, one notification per alert) -> triage serve -> one incident for both OOM alerts."""
+    from stepwatch.alerts import stack
+    from stepwatch.triage.replay import free_port
+
+    rp = replays["vae-tiling-oom-1"]
+    server = TriageServer(rp.url, tmp_path / "out", port=0, at=rp.evaluated_at).start()
+    am_port = free_port()
+    cfg = tmp_path / "am.yml"
+    cfg.write_text(stack.alertmanager_config(server.url + "/alerts", "drill"))
+    with open(tmp_path / "am.log", "w") as log:
+        am = subprocess.Popen(stack.alertmanager_argv(cfg, tmp_path / "am-data", f"127.0.0.1:{am_port}"),
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{am_port}"
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(base + "/-/ready", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        oom = [{"labels": a["labels"], "annotations": a["annotations"]} for a in rp.alerts()
+               if a["labels"]["alertname"] in ("StepwatchMemoryPressure", "StepwatchOutOfMemory")]
+        req = urllib.request.Request(base + "/api/v2/alerts", data=json.dumps(oom).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=5).read()
+        deadline = time.time() + 30
+        while len(server.written) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(server.written) >= 2, (tmp_path / "am.log").read_text()
+        assert all(w["latency_s"] < 5.0 for w in server.written)
+        reports = [json.loads((tmp_path / "out" / w["files"][2]).read_text()) for w in server.written[:2]]
+        for data in reports:
+            assert len(data["notification"]["alerts"]) == 1  # the drill route notifies per alert
+            assert [i["cause"] for i in data["incidents"]] == ["vae_tiling_off"]
+            assert len(data["incidents"][0]["alerts"]) == 2  # the other one joined from Prometheus
+    finally:
+        am.terminate()
+        am.wait(timeout=10)
+        server.stop()
+
+
+def test_cli_run_at_a_past_time_reads_alerts_from_the_data(replays: dict[str, Replay]) -> None:
+    rp = replays["straggler-1"]
+    r = subprocess.run([sys.executable, "-m", "stepwatch.cli", "triage", "run", "--prometheus", rp.url,
+                        "--at", f"{rp.evaluated_at}", "--format", "json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr  # 1: incidents reported
+    data = json.loads(r.stdout)
+    assert data["status"] == "incidents"
+    assert [i["cause"] for i in data["incidents"]] == ["straggler_rank"]
+    r = subprocess.run([sys.executable, "-m", "stepwatch.cli", "triage", "run", "--prometheus", rp.url,
+                        "--at", f"{rp.evaluated_at - 120}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("ALL CLEAR"), r.stdout  # before the fault
+
+
+def test_record_round_trip(replays: dict[str, Replay], tmp_path: Path) -> None:
+    """Recording a Prometheus (here: a replay) and replaying the recording gives the same answers."""
+    from stepwatch.triage.record import load_scenario, record_scenario
+
+    src = replays["straggler-1"]
+    at = src.evaluated_at
+    out = record_scenario(src.url, at - 120, at, tmp_path / "copy", {
+        "expected_cause": "straggler_rank", "expected_alert": "StepwatchRankSkew", "recorded": "round trip test",
+        "alerts": ["StepwatchRankSkew"], "detected_at": at})
+    sc = load_scenario(out)
+    assert sc["evaluated_at"] == round(at, 3) and sc["expected_alerts"] == ["StepwatchRankSkew"]
+    assert [a["labels"]["alertname"] for a in sc["alerts"]] == ["StepwatchRankSkew"]  # read back from ALERTS
+    assert sc["alerts"][0]["annotations"]["runbook_url"].endswith("rank-skew.md#stepwatchrankskew")
+    assert 0 < sc["samples"]["bytes_gz"] < 200_000 and sc["samples"]["series"] > 100
+    q = 'instance_rank:stepwatch_rank_step_duration_seconds:ratio_to_fastest{rank="1"}'
+    with Replay(out, tmp_path / "replay") as copy:
+        assert copy.prom.query(q, at=at)[0].value == pytest.approx(src.prom.query(q, at=at)[0].value)
+        report = triage(copy.alerts(), copy.prom, at=at)
+        assert report.causes == ["straggler_rank"]
+
+
+def test_eval_over_committed_scenarios_is_perfect() -> None:
+    r = subprocess.run([sys.executable, "-m", "stepwatch.cli", "triage", "eval", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["cases"] >= 7
+    assert summary["accuracy"] == 1.0 and summary["correct"] == summary["cases"]
+    assert summary["false_causes_on_controls"] == 0 and summary["all_clear_during_fault"] == 0
+    names = {p.parent.name for p in SCENARIOS.glob("*/scenario.yaml")}
+    assert {"cache-threshold-1", "off-menu-resolution-1", "vae-tiling-oom-1", "queue-overload-1",
+            "straggler-1"} <= names and sum(n.startswith("control-") for n in names) >= 2
+    total = sum(f.stat().st_size for f in SCENARIOS.rglob("*") if f.is_file())
+    assert total < 5 * 2**20  # committed data stays small

@@ -1,0 +1,127 @@
+"""Replay a recorded scenario: backfill its samples into a fresh TSDB and serve them with a real Prometheus.
+
+    with Replay(Path("triage/scenarios/straggler-1"), workdir) as rp:
+        triage(rp.alerts(), rp.prom, at=rp.evaluated_at)
+
+No rules are loaded (the recording rules' output is in the samples already) and
+nothing is scraped; retention is long so that old timestamps are never dropped.
+A backfill has no staleness markers, so a series that ended (an info metric's
+old label set, a resolved alert) would stay visible for Prometheus' 5-minute
+lookback; the replay's lookback is three scrape intervals of the recording
+instead, which is when a live Prometheus would have marked it stale.
+"""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from stepwatch.promapi import PromError, Prometheus
+from stepwatch.triage.record import SAMPLES_FILE, load_scenario
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ReplayError(RuntimeError):
+    pass
+
+
+class Replay:
+    """A Prometheus on loopback serving one scenario's samples; stopped on exit."""
+
+    def __init__(self, scenario_dir: str | Path, workdir: str | Path | None = None, timeout: float = 60.0) -> None:
+        self.dir = Path(scenario_dir)
+        self.scenario: dict[str, Any] = load_scenario(self.dir)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="stepwatch-replay-")
+            workdir = self._tmp.name
+        self.workdir = Path(workdir)
+        self.timeout = timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.prom: Prometheus
+
+    @property
+    def evaluated_at(self) -> float:
+        return float(self.scenario["evaluated_at"])
+
+    @property
+    def lookback(self) -> str:
+        scrape = float(self.scenario.get("scrape_interval_s") or 0)
+        return f"{max(15, int(3 * scrape))}s" if scrape else "5m"
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return list(self.scenario.get("alerts") or [])
+
+    def start(self) -> Replay:
+        for tool in ("promtool", "prometheus"):
+            if shutil.which(tool) is None:
+                raise ReplayError(f"{tool} not found (Debian package prometheus)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        data = self.workdir / "data"
+        om = self.workdir / "samples.om"
+        with gzip.open(self.dir / SAMPLES_FILE, "rb") as src, open(om, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        r = subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(om), str(data)],
+                           capture_output=True, text=True, timeout=300)
+        om.unlink()
+        if r.returncode != 0:
+            raise ReplayError(f"promtool backfill of {self.dir.name} failed: {r.stderr.strip() or r.stdout.strip()}")
+        cfg = self.workdir / "prometheus.yml"
+        cfg.write_text("global:\n  scrape_interval: 1h\n")
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(self.workdir / "prometheus.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={data}",
+             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=100y",
+             f"--query.lookback-delta={self.lookback}",
+             "--log.level=warn"], stdout=self._log, stderr=subprocess.STDOUT)
+        self.prom = Prometheus(self.url, timeout=10.0)
+        deadline = time.time() + self.timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise ReplayError(f"prometheus exited with {self.proc.returncode}: "
+                                  f"{(self.workdir / 'prometheus.log').read_text()[-2000:]}")
+            if self.prom.ready():
+                try:
+                    self.prom.query("vector(1)")
+                    return self
+                except PromError:
+                    pass
+            time.sleep(0.1)
+        self.stop()
+        raise ReplayError(f"prometheus on {self.dir.name} not ready in {self.timeout:.0f}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+        if hasattr(self, "_log"):
+            self._log.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Replay:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
