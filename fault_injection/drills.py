@@ -443,10 +443,7 @@ class Runner:
                 healthy_during = healthy_during and st.healthy()
                 time.sleep(1.0)
             if r.time_to_detect_s is not None:
-                try:
-                    drill.while_firing(st, r)
-                except Exception as e:
-                    r.failures.append(f"check while firing failed: {type(e).__name__}: {e}")
+                # Triage runs when the alert fires, as `stepwatch triage serve` would on the webhook.
                 if self.triage is not None:
                     try:
                         verdict = self.triage(st, r)
@@ -455,6 +452,10 @@ class Runner:
                             r.triage_cause = verdict.get("cause")
                     except Exception as e:
                         r.notes.append(f"triage failed: {type(e).__name__}: {e}")
+                try:
+                    drill.while_firing(st, r)
+                except Exception as e:
+                    r.failures.append(f"check while firing failed: {type(e).__name__}: {e}")
             seen |= self._firing_names()
             healthy_during = healthy_during and st.healthy()
             r.restored_at = time.time()

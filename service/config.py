@@ -115,8 +115,13 @@ class ServiceConfig:
                 out += [f"{h}x{w}_{self.default_steps}s", f"{h}x{w}_{self.default_steps}s_cfg"]
         for s in self.warmup:
             w, h = parse_size(s)
-            out.append(f"{h}x{w}_{self.warmup_steps}s")
+            out += [f"{h}x{w}_{self.warmup_steps}s", f"{h}x{w}_{self.cache_warmup_steps}s"]
         return sorted(set(out))
+
+    @property
+    def cache_warmup_steps(self) -> int:
+        """Steps of the warm-up run that forces cache hits: first and last always compute, so >= 3."""
+        return max(3, self.warmup_steps)
 
     def to_raw(self) -> dict[str, Any]:
         """A dict that parse() turns back into this config (sent to the worker process)."""

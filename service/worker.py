@@ -155,7 +155,7 @@ class Worker:
                 if kind == "first_block_cache" and self.compile_active:
                     apply_cache(self.pipe, kind, 1e9)
                     try:
-                        self._run(GenerationRequest("warm up", 1, w, h, max(3, self.cfg.warmup_steps), 1.0, 0))
+                        self._run(GenerationRequest("warm up", 1, w, h, self.cfg.cache_warmup_steps, 1.0, 0))
                     finally:
                         apply_cache(self.pipe, kind, threshold)
         return out
