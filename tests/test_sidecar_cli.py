@@ -40,10 +40,12 @@ def write(path: Path, data: object) -> Path:
 
 
 def test_commands_are_registered() -> None:
-    parser = cli.build_parser()
-    ns = parser.parse_args(["sidecar", "--target", "http://x:1"])
+    # The CLI imports only the chosen command's module, so the parser is built for the argv it parses.
+    argv = ["sidecar", "--target", "http://x:1"]
+    ns = cli.build_parser(argv).parse_args(argv)
     assert ns.port == 9465 and ns.host == "127.0.0.1" and callable(ns._run)
-    ns = parser.parse_args(["baseline", "capture", "--target", "http://x:1"])
+    argv = ["baseline", "capture", "--target", "http://x:1"]
+    ns = cli.build_parser(argv).parse_args(argv)
     assert ns.out is None and callable(ns._run)
 
 
