@@ -93,6 +93,10 @@ def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
         raise _bad(f"'prompt' must be a string, got {type(prompt).__name__}", "prompt", "invalid_type")
     if not prompt.strip():
         raise _bad("'prompt' must not be empty", "prompt")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad("'prompt' is not valid Unicode text (it contains a lone surrogate)", "prompt") from None
     if len(prompt) > MAX_PROMPT_CHARS:
         raise _bad(f"'prompt' is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}", "prompt")
     n = _int(body, "n", 1, 1, cfg.max_n)
@@ -107,7 +111,7 @@ def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
     if not isinstance(size, str):
         raise _bad(f"'size' must be a string like '512x512', got {type(size).__name__}", "size", "invalid_type")
     parts = size.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
         raise _bad(f"'size' {size!r} is not WxH, e.g. '512x512'", "size", "invalid_size")
     width, height = int(parts[0]), int(parts[1])
     if width <= 0 or height <= 0 or width % 16 or height % 16:

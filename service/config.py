@@ -19,6 +19,7 @@ from stepwatch.service.cache import KINDS as CACHE_KINDS
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("regional", "full")
+DTYPES = ("float32", "bfloat16", "float16")
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 
 
@@ -177,7 +178,9 @@ def parse(raw: Any) -> ServiceConfig:
     for name, p in pools_raw.items():
         cfg.pools.append(_pool(str(name), p, f"pools.{name}"))
     if other_raw is not None:
-        cfg.other_pool = _pool("other", {"sizes": [], **other_raw}, "other_pool")
+        if not isinstance(other_raw, dict):
+            raise ConfigError("other_pool: expected a mapping with slo_seconds and max_wait_seconds")
+        cfg.other_pool = _pool("other", other_raw, "other_pool")
     validate(cfg)
     return cfg
 
@@ -190,11 +193,15 @@ def _pool(name: str, p: Any, key: str) -> PoolConfig:
             raise ConfigError(f"{key}.{k}: unknown key")
     if not re.match(r"^[a-z][a-z0-9_]{0,31}$", name):
         raise ConfigError(f"{key}: pool names are lowercase identifiers (a label value)")
+    if key.startswith("pools.") and name == "other":
+        raise ConfigError(f"{key}: 'other' is reserved for the pool of unlisted sizes (configure it as other_pool)")
     sizes = p.get("sizes", [])
     if not isinstance(sizes, list):
         raise ConfigError(f"{key}.sizes: expected a list of WxH sizes")
-    for i, s in enumerate(sizes):
-        parse_size(s, f"{key}.sizes[{i}]")
+    if key == "other_pool" and sizes:
+        raise ConfigError("other_pool.sizes: the other pool takes every size not in a pool; list none")
+    # Canonical 'WxH' (no leading zeros): requests are matched against it.
+    sizes = ["{}x{}".format(*parse_size(s, f"{key}.sizes[{i}]")) for i, s in enumerate(sizes)]
     slo = float(_check_type(p.get("slo_seconds", 60.0), (int, float), f"{key}.slo_seconds"))
     if slo <= 0:
         raise ConfigError(f"{key}.slo_seconds: must be > 0")
@@ -202,7 +209,7 @@ def _pool(name: str, p: Any, key: str) -> PoolConfig:
     if max_wait < slo / 2:
         raise ConfigError(f"{key}.max_wait_seconds: {max_wait} is below SLO/2 = {slo / 2}: it would reject "
                           "before the queue-wait alert could fire")
-    return PoolConfig(name, [str(s).lower() for s in sizes], slo, max_wait)
+    return PoolConfig(name, sizes, slo, max_wait)
 
 
 def validate(cfg: ServiceConfig) -> None:
@@ -212,9 +219,12 @@ def validate(cfg: ServiceConfig) -> None:
         raise ConfigError(f"port: {cfg.port} out of range")
     if cfg.family not in ("flux", "wan"):
         raise ConfigError(f"family: {cfg.family!r} is not flux or wan")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise ConfigError(f"dtype: {cfg.dtype!r} is not one of {', '.join(DTYPES)} (or null: the model's own)")
+    if cfg.baselines is not None and not Path(cfg.baselines).is_file():
+        raise ConfigError(f"baselines: {cfg.baselines} is not a file")
     if cfg.model is not None and not (Path(cfg.model) / "model_index.json").is_file():
         raise ConfigError(f"model: {cfg.model} is not a diffusers model directory (no model_index.json)")
-    parse_size(cfg.default_size, "default_size")
     for key in ("default_steps", "max_steps", "max_side", "max_pixels", "max_n", "text_tokens", "ranks", "seed",
                 "warmup_steps"):
         _check_type(getattr(cfg, key), int, key)
@@ -224,8 +234,12 @@ def validate(cfg: ServiceConfig) -> None:
         raise ConfigError("warmup_steps: must be >= 1")
     if cfg.ranks not in (1, 2):
         raise ConfigError(f"ranks: {cfg.ranks} is not 1 or 2")
-    if cfg.max_n < 1:
-        raise ConfigError("max_n: must be >= 1")
+    for key in ("max_n", "max_side", "max_pixels", "text_tokens"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}: must be >= 1")
+    _check_type(cfg.request_timeout_seconds, (int, float), "request_timeout_seconds")
+    if not cfg.request_timeout_seconds > 0:
+        raise ConfigError("request_timeout_seconds: must be > 0")
     if cfg.compile.backend not in COMPILE_BACKENDS:
         raise ConfigError(f"compile.backend: {cfg.compile.backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
     if cfg.compile.mode not in COMPILE_MODES:
@@ -234,6 +248,8 @@ def validate(cfg: ServiceConfig) -> None:
     if cfg.cache.kind not in CACHE_KINDS:
         raise ConfigError(f"cache.kind: {cfg.cache.kind!r} is not one of {', '.join(CACHE_KINDS)}")
     _check_type(cfg.cache.threshold, (int, float), "cache.threshold")
+    if not 0 <= cfg.cache.threshold < float("inf"):
+        raise ConfigError(f"cache.threshold: {cfg.cache.threshold} must be a finite number >= 0")
     _check_type(cfg.vae_tiling, bool, "vae_tiling")
     if cfg.memory_budget_mb is not None:
         _check_type(cfg.memory_budget_mb, (int, float), "memory_budget_mb")
@@ -242,21 +258,32 @@ def validate(cfg: ServiceConfig) -> None:
     if cfg.queue.policy not in ("spf", "fifo"):
         raise ConfigError(f"queue.policy: {cfg.queue.policy!r} is not spf or fifo")
     _check_type(cfg.queue.aging, (int, float), "queue.aging")
+    if cfg.queue.aging < 0:
+        raise ConfigError("queue.aging: must be >= 0 (negative aging starves the oldest requests)")
     _check_type(cfg.queue.max_queued, int, "queue.max_queued")
+    if cfg.queue.max_queued < 1:
+        raise ConfigError("queue.max_queued: must be >= 1")
     if not isinstance(cfg.warmup, list):
         raise ConfigError("warmup: expected a list of WxH sizes")
+    _servable(cfg, cfg.default_size, "default_size")
     for i, s in enumerate(cfg.warmup):
-        w, h = parse_size(s, f"warmup[{i}]")
-        if max(w, h) > cfg.max_side:
-            raise ConfigError(f"warmup[{i}]: {s} is larger than max_side {cfg.max_side}")
+        _servable(cfg, s, f"warmup[{i}]")
     seen: set[str] = set()
     for p in cfg.pools:
-        for s in p.sizes:
+        for i, s in enumerate(p.sizes):
+            _servable(cfg, s, f"pools.{p.name}.sizes[{i}]")
             if s in seen:
                 raise ConfigError(f"pools.{p.name}.sizes: {s} is in two pools")
             seen.add(s)
     if cfg.admin_token is not None and (not isinstance(cfg.admin_token, str) or len(cfg.admin_token) < 8):
         raise ConfigError("admin_token: must be a string of at least 8 characters (or null: admin off)")
+
+
+def _servable(cfg: ServiceConfig, size: Any, key: str) -> None:
+    """A size the API would accept: parsed, and within max_side and max_pixels."""
+    w, h = parse_size(size, key)
+    if max(w, h) > cfg.max_side or w * h > cfg.max_pixels:
+        raise ConfigError(f"{key}: {size} is over the maximum ({cfg.max_side} px per side, {cfg.max_pixels} pixels)")
 
 
 def default_path() -> Path:

@@ -9,7 +9,7 @@ request gains priority with time, so nothing starves.
 
 A pool's estimated wait is what a new request of that pool would wait: the
 in-flight remainder plus every queued request that would run before it (those
-of its pool, and shorter ones of other pools), divided by the workers.  Past
+of its pool, and shorter ones of other pools); one worker serves them all.  Past
 the pool's hard limit the request is refused with 429 and Retry-After.
 """
 
@@ -112,13 +112,12 @@ class Scheduler:
     """Per-pool queues feeding one worker; thread-safe."""
 
     def __init__(self, pools: list[PoolConfig], predictor: Predictor, policy: str = "spf", aging: float = 1.0,
-                 max_queued: int = 256, workers: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_queued: int = 256, clock: Callable[[], float] = time.monotonic) -> None:
         self.pools = {p.name: p for p in pools}
         self.predictor = predictor
         self.policy = policy
         self.aging = aging
         self.max_queued = max_queued
-        self.workers = workers
         self._clock = clock
         self._queues: dict[str, list[Ticket]] = {p: [] for p in self.pools}
         self._inflight: Ticket | None = None
@@ -195,7 +194,7 @@ class Scheduler:
             for t in q:
                 if name == pool or t.predicted <= predicted or self.policy == "fifo":
                     ahead += t.predicted
-        return ahead / max(1, self.workers)
+        return ahead
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per pool: queue depth and the estimated wait a new request of the pool's typical size would see."""
@@ -206,6 +205,3 @@ class Scheduler:
                 out[name] = {"depth": float(len(q)), "estimated_wait": self._estimated_wait_locked(name, typical)}
             return out
 
-    def depth(self) -> int:
-        with self._cv:
-            return sum(len(q) for q in self._queues.values())

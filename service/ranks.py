@@ -27,12 +27,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """A follower rank gets SIGKILL when rank 0 dies, even by SIGKILL (which skips the join in ranks_main)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        log.debug("PR_SET_PDEATHSIG unavailable; a killed rank 0 leaves rank %d to the gloo timeout", os.getpid())
+
+
 def _rank_entry(cfg: dict[str, Any], conn: Any, rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
     from stepwatch.service.worker import Worker
 
+    if rank > 0:
+        _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -90,19 +90,13 @@ class WorkerHandle:
                 msg = conn.recv()
             except (EOFError, OSError):
                 break
-            op = msg.get("op")
-            if op == "ready":
-                self.ready_info = msg
-                self.ready.set()
-                self.service.on_worker_ready(msg)
-            elif op == "fatal":
-                log.error("worker failed to start:\n%s", msg.get("message"))
-                self.service.fatal = msg.get("message")
-            else:
-                with self._lock:
-                    fut = self._pending.pop(str(msg.get("id")), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+            try:
+                self._deliver(msg)
+            except Exception:
+                # A reader that stopped silently would wedge the service: treat it as a worker death.
+                log.exception("bad message from the worker; restarting it")
+                proc.kill()
+                break
         proc.join(timeout=5)
         code = proc.exitcode
         with self._lock:
@@ -113,6 +107,21 @@ class WorkerHandle:
         if generation == self.generation:
             self.ready.clear()
             self.service.on_worker_died(code)
+
+    def _deliver(self, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "ready":
+            self.ready_info = msg
+            self.ready.set()
+            self.service.on_worker_ready(msg)
+        elif op == "fatal":
+            log.error("worker failed to start:\n%s", msg.get("message"))
+            self.service.fatal = msg.get("message")
+        else:
+            with self._lock:
+                fut = self._pending.pop(str(msg.get("id")), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
 
     def call(self, msg: dict[str, Any]) -> Future[dict[str, Any]]:
         fut: Future[dict[str, Any]] = Future()
@@ -142,6 +151,14 @@ class WorkerHandle:
                 self.proc.join(timeout=5)
 
 
+def _is_uint(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _finite_nonneg(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")
+
+
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "worker exited"
@@ -166,6 +183,7 @@ class Service:
         self.fingerprint: dict[str, Any] = {}
         self.knobs: dict[str, Any] = {}
         self.fatal: str | None = None
+        self._quick_deaths = 0  # worker deaths since it was last ready
         self.started = time.time()
         self._stop = threading.Event()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True, name="stepwatch-dispatch")
@@ -190,10 +208,14 @@ class Service:
 
     def stop(self) -> None:
         self._stop.set()
-        for t in self.scheduler.drain():
-            t.future.set_exception(api.ApiError(503, "the service is shutting down", None, "shutting_down",
-                                                "server_error"))
+        self._fail_queued(api.ApiError(503, "the service is shutting down", None, "shutting_down", "server_error"))
         self.worker.stop()
+
+    def _fail_queued(self, err: api.ApiError) -> None:
+        for t in self.scheduler.drain():
+            if not t.future.done():
+                t.future.set_exception(err)
+        self._update_gauges()
 
     @property
     def ready(self) -> bool:
@@ -216,6 +238,7 @@ class Service:
                 for _ in range(3):
                     self.predictor.observe(req, w["seconds"], w.get("stages", {}))
         self._publish_config()
+        self._quick_deaths = 0
         self.m.worker_up.set(1)
         self.m.service_ready.set(1)
         log.info("worker ready (pid %s, setup %.1fs, fingerprint %s, budget %s)", msg.get("pid"),
@@ -229,9 +252,16 @@ class Service:
             return
         if self.fatal is not None:
             log.error("worker cannot start; not restarting (see the error above)")
+            self._fail_queued(api.ApiError(503, "the worker cannot start; see the service log", None,
+                                           "worker_failed", "server_error"))
             return
         self.m.worker_restarts_total.inc()
-        log.error("%s; restarting it", _exit_text(code))
+        # A worker that keeps dying before it is ready (killed during warm-up, say) is restarted with backoff.
+        delay = min(60.0, 2.0 ** self._quick_deaths - 1)
+        self._quick_deaths += 1
+        log.error("%s; restarting it%s", _exit_text(code), f" in {delay:.0f}s" if delay else "")
+        if self._stop.wait(delay):
+            return
         self.worker.start()
 
     def config_id(self) -> str:
@@ -255,6 +285,10 @@ class Service:
                 continue
             t = self.scheduler.take(timeout=0.5)
             if t is None:
+                continue
+            if not t.future.set_running_or_notify_cancel():  # its client gave up while it queued
+                self.scheduler.done(t)
+                self._update_gauges()
                 continue
             self._update_gauges()
             self.m.queue_wait_seconds.labels(pool=t.pool).observe(time.monotonic() - t.enqueued)
@@ -292,7 +326,8 @@ class Service:
     # ----- requests -------------------------------------------------------------------------
     def generate(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
         req = api.validate(body, self.cfg)
-        pool = self.cfg.pool_for(req.size).name
+        pool_cfg = self.cfg.pool_for(req.size)
+        pool = pool_cfg.name
         if self.fatal is not None:
             raise api.ApiError(503, "the worker cannot start; see the service log", None, "worker_failed",
                                "server_error")
@@ -309,8 +344,10 @@ class Service:
                                "rate_limit_error", {"Retry-After": str(e.retry_after)}) from None
         self._update_gauges()
         try:
-            reply = ticket.future.result(timeout=self.cfg.request_timeout_seconds + 60)
+            reply = ticket.future.result(
+                timeout=pool_cfg.max_wait_seconds + self.cfg.request_timeout_seconds + 60)
         except FutureTimeout:
+            ticket.future.cancel()  # still queued: it will not run for nobody
             raise api.ApiError(504, "generation did not finish in time", None, "timeout", "server_error") from None
         return self._answer(req, pool, ticket, reply, t0)
 
@@ -367,6 +404,9 @@ class Service:
             typ = KNOB_TYPES[k]
             if (isinstance(v, bool) and typ is not bool) or not isinstance(v, typ):
                 raise api.ApiError(400, f"knob {k!r} has the wrong type ({type(v).__name__})", k, "invalid_knobs")
+        if "cache_threshold" in knobs and not _finite_nonneg(knobs["cache_threshold"]):
+            raise api.ApiError(400, f"cache_threshold must be a finite number >= 0, got {knobs['cache_threshold']}",
+                               "cache_threshold", "invalid_knobs")
         if "cache" in knobs:
             from stepwatch.service.cache import KINDS
 
@@ -377,25 +417,35 @@ class Service:
             from stepwatch.exporter.shapes import ShapeKey
 
             shapes = knobs["baselines"].get("shapes", knobs["baselines"])
+            if not isinstance(shapes, dict):
+                raise api.ApiError(400, "baselines: expected {shape: {step_seconds, cache_hit_ratio}}", "baselines",
+                                   "invalid_knobs")
             for shape, vals in shapes.items():
                 try:
                     ShapeKey.parse(str(shape))
                 except ValueError as e:
                     raise api.ApiError(400, f"baselines: {e}", "baselines", "invalid_knobs") from None
                 if not isinstance(vals, dict) or not all(
-                        k in ("step_seconds", "cache_hit_ratio") and isinstance(v, (int, float)) and v >= 0
+                        k in ("step_seconds", "cache_hit_ratio") and _finite_nonneg(v)
                         for k, v in vals.items()):
                     raise api.ApiError(400, f"baselines: {shape}: expected {{step_seconds, cache_hit_ratio}} >= 0",
                                        "baselines", "invalid_knobs")
         if "rank_delay_seconds" in knobs:
             for r, d in knobs["rank_delay_seconds"].items():
-                if not str(r).isdigit() or int(r) >= self.cfg.ranks or not isinstance(d, (int, float)) or d < 0:
+                if not _is_uint(str(r)) or int(r) >= self.cfg.ranks or not _finite_nonneg(d):
                     raise api.ApiError(400, f"rank_delay_seconds: rank {r!r} / delay {d!r} invalid (ranks: "
                                        f"{self.cfg.ranks})", "rank_delay_seconds", "invalid_knobs")
         if not self.ready:
             raise api.ApiError(503, "warming up; retry shortly", None, "not_ready", "server_error")
         before = dict(self.knobs)
-        reply = self.worker.call({"op": "knobs", "knobs": knobs}).result(timeout=600)
+        try:
+            reply = self.worker.call({"op": "knobs", "knobs": knobs}).result(timeout=self.cfg.request_timeout_seconds)
+        except WorkerDied as e:
+            raise api.ApiError(503, f"the worker died while applying the knobs ({e}); it is restarting", None,
+                               "worker_died", "server_error", {"Retry-After": "30"}) from None
+        except FutureTimeout:
+            raise api.ApiError(504, "the worker did not apply the knobs in time (busy with a long request?)", None,
+                               "timeout", "server_error") from None
         if reply.get("op") == "error":
             raise api.ApiError(500, f"applying knobs failed: {reply.get('message')}", None, "internal_error",
                                "server_error")
@@ -423,6 +473,7 @@ class Service:
 class Handler(http.server.BaseHTTPRequestHandler):
     server_version = "stepwatch"
     protocol_version = "HTTP/1.1"
+    timeout = 60  # a client that stalls mid-request frees its thread
     service: Service
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -440,6 +491,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, e: api.ApiError) -> None:
+        # The body may be unread (a 411, 413, 401, 404): close rather than parse it as the next request.
+        self.close_connection = True
         try:
             self._send(e.status, e.body(), e.headers)
         except (BrokenPipeError, ConnectionResetError):
@@ -463,7 +516,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        if length is None or not _is_uint(length):
             raise api.ApiError(411, "Content-Length is required", None, "length_required")
         n = int(length)
         if n > api.MAX_BODY_BYTES:

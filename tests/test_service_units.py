@@ -34,11 +34,28 @@ def test_embedded_default_config_is_valid() -> None:
     ({"memory_budget_mb": 0}, "memory_budget_mb"),
     ({"colour": "blue"}, "colour"),
     ({"model": "/nonexistent/model"}, "model"),
+    ({"pools": {"other": {"sizes": ["256x256"]}}}, "pools.other"),
+    ({"other_pool": {"sizes": ["256x256"]}}, "other_pool.sizes"),
+    ({"pools": {"a": {"sizes": ["4096x4096"]}}}, "pools.a.sizes[0]"),
+    ({"request_timeout_seconds": "600"}, "request_timeout_seconds"),
+    ({"request_timeout_seconds": 0}, "request_timeout_seconds"),
+    ({"queue": {"max_queued": 0}}, "queue.max_queued"),
+    ({"queue": {"aging": -1}}, "queue.aging"),
+    ({"cache": {"threshold": -0.1}}, "cache.threshold"),
+    ({"default_size": "2048x2048", "max_pixels": 1024 * 1024}, "default_size"),
+    ({"max_side": 0}, "max_side"),
+    ({"dtype": "float33"}, "dtype"),
+    ({"baselines": "/nonexistent/baselines.yaml"}, "baselines"),
 ])
 def test_bad_config_names_the_key(raw: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError) as e:
         parse(raw)
     assert str(e.value).startswith(key + ":") or str(e.value).startswith(key + " "), str(e.value)
+
+
+def test_pool_sizes_are_canonical() -> None:
+    cfg = parse({"pools": {"a": {"sizes": ["0512X512"]}}})
+    assert cfg.pools[0].sizes == ["512x512"] and cfg.pool_for("512x512").name == "a"
 
 
 def test_config_file_errors(tmp_path: Any) -> None:
@@ -60,6 +77,8 @@ CFG = parse({"max_n": 4, "max_side": 2048, "default_size": "512x512", "default_s
     ({"prompt": "x" * 5000}, "prompt", "invalid_value"),
     ({"prompt": "a", "size": "250x256"}, "size", "invalid_size"),
     ({"prompt": "a", "size": "big"}, "size", "invalid_size"),
+    ({"prompt": "a", "size": "\u00b2x512"}, "size", "invalid_size"),  # '²'.isdigit() is True, int('²') fails
+    ({"prompt": "a \ud800"}, "prompt", "invalid_value"),  # a lone surrogate: valid JSON, not encodable
     ({"prompt": "a", "size": 512}, "size", "invalid_type"),
     ({"prompt": "a", "size": "4096x4096"}, "size", "size_too_large"),
     ({"prompt": "a", "n": 0}, "n", "invalid_value"),
