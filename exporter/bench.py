@@ -69,6 +69,9 @@ class _StubTransformer:
     def named_children(self) -> Any:
         return iter(())
 
+    def named_modules(self) -> Any:
+        return iter(())
+
     def cache_context(self, name: str) -> Any:
         import contextlib
 

@@ -1,7 +1,7 @@
 """Boundary marks that cost nothing on the host and never synchronize the device.
 
 On CPU a mark is a perf_counter reading.  On CUDA it is an event recorded on
-the current stream plus the host time; durations are resolved after the
+the current stream; durations are resolved after the
 request, once the events have completed (``ready``), so instrumentation adds
 no synchronization to the pipeline.
 """
@@ -13,20 +13,17 @@ from typing import Any, Protocol
 
 
 class Clock(Protocol):
-    device_kind: str
-
     def mark(self) -> Any: ...
 
     def seconds(self, a: Any, b: Any) -> float: ...
 
     def ready(self, m: Any) -> bool: ...
 
-    def host(self, m: Any) -> float: ...
+    def wait(self, m: Any) -> None:
+        """Block until the mark has completed (only where the host waits anyway)."""
 
 
 class HostClock:
-    device_kind = "cpu"
-
     def mark(self) -> float:
         return time.perf_counter()
 
@@ -36,31 +33,29 @@ class HostClock:
     def ready(self, m: float) -> bool:
         return True
 
-    def host(self, m: float) -> float:
-        return m
+    def wait(self, m: float) -> None:
+        pass
 
 
 class CudaClock:
-    device_kind = "cuda"
-
     def __init__(self) -> None:
         import torch
 
         self._event = torch.cuda.Event
 
-    def mark(self) -> tuple[Any, float]:
+    def mark(self) -> Any:
         e = self._event(enable_timing=True)
         e.record()
-        return (e, time.perf_counter())
+        return e
 
-    def seconds(self, a: tuple[Any, float], b: tuple[Any, float]) -> float:
-        return float(a[0].elapsed_time(b[0])) / 1000.0
+    def seconds(self, a: Any, b: Any) -> float:
+        return float(a.elapsed_time(b)) / 1000.0
 
-    def ready(self, m: tuple[Any, float]) -> bool:
-        return bool(m[0].query())
+    def ready(self, m: Any) -> bool:
+        return bool(m.query())
 
-    def host(self, m: tuple[Any, float]) -> float:
-        return m[1]
+    def wait(self, m: Any) -> None:
+        m.synchronize()
 
 
 def clock_for(device: Any) -> Clock:

@@ -42,6 +42,7 @@ log = logging.getLogger("stepwatch.exporter")
 ATTR = "_stepwatch"
 _COMPONENTS = ("scheduler", "transformer", "transformer_2", "unet", "vae")
 STAGES = ("text_encode", "denoise", "vae_decode")
+PEAK_STAGES = (*STAGES, "request")
 
 
 @dataclass
@@ -100,8 +101,8 @@ class _Req:
     denoise_start: Any = None
     planned_steps: int | None = None
     step_marks: list[Any] = field(default_factory=list)
-    branches: list[int] = field(default_factory=list)
-    branch_names: list[str] = field(default_factory=list)
+    calls: int = 0  # transformer branches (CFG) in the current step
+    max_branches: int = 0
     decisions: list[tuple[int, str, bool]] = field(default_factory=list)
     vae_spans: list[tuple[Any, Any]] = field(default_factory=list)
     vae_open: Any = None
@@ -117,10 +118,11 @@ class _Req:
 class _BranchContext:
     """Wraps transformer.cache_context: counts CFG branches, reads the cache decision."""
 
-    __slots__ = ("_inner", "_inst", "_name")
+    __slots__ = ("_inner", "_inst", "_name", "_req")
 
-    def __init__(self, inst: Instrumentation, inner: Any, name: str) -> None:
+    def __init__(self, inst: Instrumentation, req: _Req, inner: Any, name: str) -> None:
         self._inst = inst
+        self._req = req
         self._inner = inner
         self._name = name
 
@@ -130,7 +132,12 @@ class _BranchContext:
     def __exit__(self, *exc: Any) -> Any:
         result = self._inner.__exit__(*exc)
         try:
-            self._inst._on_branch_end(self._name)
+            req = self._req
+            req.calls += 1
+            if req.cache is not None:
+                hit = req.cache[1](self._name)
+                if hit is not None:
+                    req.decisions.append((len(req.step_marks), self._name, hit))
         except Exception as e:
             self._inst._guard.fail("transformer.cache_context", e)
         return result
@@ -143,7 +150,7 @@ class Instrumentation:
         self.pipe = pipe
         self.options = options
         registry = options.registry if options.registry is not None else REGISTRY
-        self.metrics = MetricSet(registry, "exporter")
+        self.metrics = MetricSet.shared(registry, "exporter")
         self._guard = _Guard(self.metrics)
         self.labeler = ShapeLabeler(options.shapes, options.max_shapes)
         device = getattr(pipe, "device", None)
@@ -190,10 +197,7 @@ class Instrumentation:
         m.device_peak_flops_per_second.labels(device=dev).set(self.peak_flops or 0)
         self._capacity_child = m.memory_capacity_bytes.labels(device=dev)
         self._ratio_child = m.memory_peak_ratio.labels(device=dev)
-        try:
-            m.memory_capacity_bytes.labels(device=dev).set(self.memory.capacity_bytes())
-        except Exception as e:
-            self._guard.fail("memory.capacity", e)
+        self.refresh_capacity()
         transformer = _denoiser(self.pipe)
         if transformer is not None:
             try:
@@ -202,12 +206,8 @@ class Instrumentation:
                 self._guard.fail("ledger.model", e)
         if self.options.baselines is not None:
             self.set_baselines(self.options.baselines)
-        # Event counters exist at 0 from the start for the serving shapes, so the first OOM or the first
-        # serving compile of a shape is an increase that rate() and increase() see.
         for shape in [*sorted(self.labeler.known), "other"]:
-            m.compile_total.labels(shape=shape, phase="serving")
-            for stage in (*STAGES, "prepare", "postprocess"):
-                m.oom_total.labels(shape=shape, stage=stage)
+            self._zero_events(shape)
         m.exporter_errors_total.labels(component="request.begin")
 
     def refresh_capacity(self) -> None:
@@ -296,9 +296,6 @@ class Instrumentation:
         """``with inst.warmup(): pipe(...)``: compiles inside count as warm-up, not serving."""
         return _Phase(self, "warmup")
 
-    def mark_warmup_done(self) -> None:
-        self.phase = "serving"
-
     # ----- wrappers -------------------------------------------------------------------------
     def _wrap_stage(self, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
         inst = self
@@ -346,8 +343,9 @@ class Instrumentation:
             if req is not None:
                 try:
                     req.step_marks.append(inst.clock.mark())
-                    req.branches.append(len(req.branch_names))
-                    req.branch_names = []
+                    if req.calls > req.max_branches:
+                        req.max_branches = req.calls
+                    req.calls = 0
                 except Exception as e:
                     inst._guard.fail("scheduler.step", e)
             return out
@@ -360,24 +358,15 @@ class Instrumentation:
 
         def cache_context(name: str, *args: Any, **kwargs: Any) -> Any:
             inner = fn(name, *args, **kwargs)
-            if getattr(inst._local, "req", None) is None:
+            req = getattr(inst._local, "req", None)
+            if req is None:
                 return inner
-            return _BranchContext(inst, inner, name)
+            return _BranchContext(inst, req, inner, name)
 
         cache_context.__wrapped__ = fn  # type: ignore[attr-defined]
         return cache_context
 
     # ----- hook bodies ----------------------------------------------------------------------
-    def _on_branch_end(self, name: str) -> None:
-        req: _Req | None = getattr(self._local, "req", None)
-        if req is None:
-            return
-        req.branch_names.append(name)
-        if req.cache is not None:
-            hit = req.cache[1](name)
-            if hit is not None:
-                req.decisions.append((len(req.step_marks), name, hit))
-
     # Memory boundaries: text encoding and latent preparation share one window (the encoders'
     # peak is what matters there), then denoise, then vae_decode: four reads per request.
     def _stage_enter(self, req: _Req, kind: str) -> None:
@@ -471,7 +460,11 @@ class Instrumentation:
             else:
                 req.outcome = "error"
         phase = self.phase
-        if all(self.clock.ready(m) for m in (req.end,)):
+        if self.options.rank_reporter is not None:
+            # Ranks gather per request: every rank must report in request order, on this thread, before
+            # the next request's collectives.  The host already waited for the output; this wait is free.
+            self.clock.wait(req.end)
+        if self.clock.ready(req.end):
             self._emit(req, phase)
         else:
             with self._pending_lock:
@@ -481,9 +474,12 @@ class Instrumentation:
     def _drain_pending(self) -> None:
         if not self._pending:
             return
+        ready: list[tuple[_Req, str]] = []
+        keep: list[tuple[_Req, str]] = []
         with self._pending_lock:
-            ready = [p for p in self._pending if self.clock.ready(p[0].end)]
-            self._pending = [p for p in self._pending if p not in ready]
+            for p in self._pending:
+                (ready if self.clock.ready(p[0].end) else keep).append(p)
+            self._pending = keep
         for req, phase in ready:
             self._emit(req, phase)
 
@@ -536,8 +532,8 @@ class Instrumentation:
             stages["vae_decode"] = sum(c.seconds(a, b) for a, b in req.vae_spans)
             stage_bounds["vae_decode"] = (rel(req.vae_spans[0][0]), rel(req.vae_spans[-1][1]))
         step_seconds = [b - a for a, b in step_bounds]
-        branches = max(req.branches) if req.branches else 0
-        cfg = branches > 1 if req.branches and branches else req.cfg_hint
+        branches = req.max_branches
+        cfg = branches > 1 if branches else req.cfg_hint
         steps = req.planned_steps or req.steps_hint or len(step_seconds)
         shape = (ShapeKey(req.height, req.width, int(steps), cfg, req.frames)
                  if req.height and req.width and steps else None)
@@ -552,7 +548,7 @@ class Instrumentation:
         failed_stage = None
         if req.outcome != "ok":
             failed_stage = req.stage
-            if req.oom_demand is not None:
+            if req.oom_demand is not None and req.stage in STAGES:
                 peaks[req.stage] = max(peaks.get(req.stage, 0), req.oom_demand)
                 request_peak = max(request_peak, req.oom_demand)
         peaks["request"] = request_peak
@@ -598,7 +594,15 @@ class Instrumentation:
         c = self._child_cache.get(shape)
         if c is None:
             c = self._child_cache[shape] = _ShapeChildren(self.metrics, shape)
+            self._zero_events(shape)
         return c
+
+    def _zero_events(self, shape: str) -> None:
+        """Event counters at 0 from a shape's first appearance (from the start for the allowlist), so its
+        first OOM or serving compile is an increase that rate() and increase() see."""
+        self.metrics.compile_total.labels(shape=shape, phase="serving")
+        for stage in (*STAGES, "prepare", "postprocess"):
+            self.metrics.oom_total.labels(shape=shape, stage=stage)
 
     def _publish(self, r: RequestReport) -> None:
         m = self.metrics
@@ -626,11 +630,11 @@ class Instrumentation:
             m.compile_total.labels(shape=shape, phase=ev.phase).inc()
             m.compile_duration_seconds.labels(shape=shape, phase=ev.phase).observe(ev.seconds)
         peaks = self._peak_children
-        for stage, peak in r.memory_peak_bytes.items():
+        for stage in PEAK_STAGES:  # every one, every request: a stage this request skipped reads 0, not stale
             g = peaks.get(stage)
             if g is None:
                 g = peaks[stage] = m.memory_peak_bytes.labels(device=r.device, stage=stage)
-            g.set(peak)
+            g.set(r.memory_peak_bytes.get(stage, 0))
         if r.memory_capacity_bytes:
             self._capacity_child.set(r.memory_capacity_bytes)
             self._ratio_child.observe(r.memory_peak_bytes.get("request", 0) / r.memory_capacity_bytes)
@@ -684,7 +688,7 @@ class _Phase:
     def __init__(self, inst: Instrumentation, phase: str) -> None:
         self._inst = inst
         self._phase = phase
-        self._prev = inst.phase
+        self._prev = "serving"
 
     def __enter__(self) -> Instrumentation:
         self._prev = self._inst.phase
@@ -711,10 +715,14 @@ class _Resolver:
             cls._threads[id(inst)] = t
             t.start()
 
-    @staticmethod
-    def _run(inst: Instrumentation) -> None:
-        while inst._pending:
+    @classmethod
+    def _run(cls, inst: Instrumentation) -> None:
+        while True:
             inst._drain_pending()
+            with cls._lock:  # decided under the lock ensure() takes: a request queued meanwhile is not stranded
+                if not inst._pending:
+                    cls._threads.pop(id(inst), None)
+                    return
             time.sleep(0.005)
 
 
@@ -811,7 +819,11 @@ def _cfg_hint(pipe: Any, params: Mapping[str, Any]) -> bool:
 
 
 def _denoiser(pipe: Any) -> Any:
-    return getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    """The transformer (or UNet), unwrapped from torch.compile's OptimizedModule for its config and hooks."""
+    t = getattr(pipe, "transformer", None)  # not `or`: an OptimizedModule's truth test raises
+    if t is None:
+        t = getattr(pipe, "unet", None)
+    return getattr(t, "_orig_mod", t)
 
 
 def instrument(pipe: Any, options: InstrumentOptions | None = None, **kwargs: Any) -> Instrumentation:

@@ -72,11 +72,11 @@ def emit(tracer: Any, report: RequestReport, parent: Any, stage_bounds: dict[str
         attrs["stepwatch.mfu"] = report.mfu
     root = tracer.start_span("diffusion.request", context=parent, start_time=t0, attributes=attrs)
     ctx = trace.set_span_in_context(root)
-    hits = {(s, b) for s, b, h in report.cache_decisions if h}
+    hit_steps = {s for s, _b, h in report.cache_decisions if h}
     for i, (a, b) in enumerate(step_bounds):
         root.add_event(
             "step",
-            {"step.index": i, "step.seconds": b - a, "step.cache_hit": any(k[0] == i for k in hits)},
+            {"step.index": i, "step.seconds": b - a, "step.cache_hit": i in hit_steps},
             timestamp=ns(b),
         )
     for stage, (a, b) in stage_bounds.items():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from stepwatch.catalog import METRICS, Owner
+
+_SHARED: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, MetricSet]] = weakref.WeakKeyDictionary()
 
 
 class MetricSet:
@@ -32,6 +35,16 @@ class MetricSet:
             else:
                 c = Info(m.name, m.help, m.labels, registry=registry)
             self._by_name[m.name.removeprefix("stepwatch_")] = c
+
+    @classmethod
+    def shared(cls, registry: CollectorRegistry, owner: Owner) -> MetricSet:
+        """One set per (registry, owner): instrumenting again, or a second pipeline, reuses the collectors
+        (prometheus_client refuses to register a name twice)."""
+        per_owner = _SHARED.setdefault(registry, {})
+        ms = per_owner.get(owner)
+        if ms is None:
+            ms = per_owner[owner] = cls(registry, owner)
+        return ms
 
     def __getattr__(self, key: str) -> Any:
         try:
