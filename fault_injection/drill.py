@@ -55,6 +55,13 @@ def _expand(names: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stepwatch.fault_injection.stack import exit_on_sigterm
+
+    with exit_on_sigterm():  # CI's SIGTERM still restores the fault and stops the stack (the finally blocks)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import logging
 
     from stepwatch.alerts.thresholds import load
@@ -115,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             progress("baseline traffic to calibrate per-shape baselines (step time, cache hit rate)")
             with stack.traffic(concurrency=2):
                 time.sleep(70)
-                calibrate_baselines(stack, progress)
+                calibrate_baselines(stack, progress, th)
             for n in group:
                 results.append(runner.run(DRILLS[n](th)))
             stacks_meta.append({"ranks": ranks, "service": stack.service_url, "prometheus": stack.prometheus_url,

@@ -24,6 +24,7 @@ from typing import Any
 from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.fault_injection.stack import LocalStack, Traffic
+from stepwatch.promapi import PromError
 
 GOAL_S = 60.0
 SEEDS_BAR_S = 600.0
@@ -150,7 +151,7 @@ class CacheThreshold(Drill):
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         r.details["serving_knobs"] = stack.info()["knobs"]
-        r.details["step_seconds_before"] = _mean_step(stack)
+        r.details["step_seconds_before"] = _mean_step(stack, self.th)
         stack.knobs(**self.inject_knobs())
         r.notes.append(f"knobs {self.inject_knobs()}: every step but the first and the last reuses the cache")
 
@@ -159,7 +160,7 @@ class CacheThreshold(Drill):
         gate = stack.prom.value("min(stepwatch_quality_gate_decibels)")
         r.details["psnr_p10_db"] = p10
         r.details["gate_db"] = gate
-        r.details["step_seconds_during"] = _mean_step(stack)
+        r.details["step_seconds_during"] = _mean_step(stack, self.th)
         before, during = r.details.get("step_seconds_before"), r.details["step_seconds_during"]
         r.checks["psnr_below_gate_minus_margin"] = (p10 is not None and gate is not None
                                                     and p10 < gate - self.th.quality.alert_margin_db)
@@ -177,7 +178,7 @@ class OffMenuResolution(Drill):
                    "so p99 jumps while p50 stays flat.")
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
-        r.details["latency_before"] = _quantiles(stack)
+        r.details["latency_before"] = _quantiles(stack, self.th)
         codes: list[int] = []
         sizes = list(self.spec.traffic.get("sizes", []))
         per = int(self.spec.traffic.get("requests_per_size", 1))
@@ -199,7 +200,7 @@ class OffMenuResolution(Drill):
         if t is not None:
             t.join(timeout=300)
         time.sleep(2 * _scrape_s(self.th))
-        after = _quantiles(stack)
+        after = _quantiles(stack, self.th)
         before = r.details["latency_before"]
         r.details["latency_during"] = after
         r.checks["off_menu_requests_served"] = all(c == 200 for c in r.details["off_menu_codes"])
@@ -327,16 +328,24 @@ def _scrape_s(th: Thresholds) -> float:
     return parse_duration(th.profiles["drill"].scrape_interval)
 
 
-def _mean_step(stack: LocalStack) -> float | None:
-    return stack.prom.value("sum(rate(stepwatch_pipeline_step_duration_seconds_sum[1m])) / "
-                            "sum(rate(stepwatch_pipeline_step_duration_seconds_count[1m]))")
+def _rate_window(th: Thresholds, stack: LocalStack | None = None) -> str:
+    """The rate window of the stack's rules profile (the drill profile's when it has none)."""
+    profile = getattr(stack, "profile", "drill")
+    return th.profiles[profile if profile in th.profiles else "drill"].rate_window
 
 
-def _quantiles(stack: LocalStack) -> dict[str, float | None]:
+def _mean_step(stack: LocalStack, th: Thresholds) -> float | None:
+    w = _rate_window(th, stack)
+    return stack.prom.value(f"sum(rate(stepwatch_pipeline_step_duration_seconds_sum[{w}])) / "
+                            f"sum(rate(stepwatch_pipeline_step_duration_seconds_count[{w}]))")
+
+
+def _quantiles(stack: LocalStack, th: Thresholds) -> dict[str, float | None]:
+    w = _rate_window(th, stack)
     out: dict[str, float | None] = {}
     for q, name in ((0.5, "p50"), (0.99, "p99")):
         v = stack.prom.value(f"histogram_quantile({q}, sum by (le) "
-                             "(rate(stepwatch_service_request_duration_seconds_bucket[1m])))")
+                             f"(rate(stepwatch_service_request_duration_seconds_bucket[{w}])))")
         out[name] = None if v is None or math.isnan(v) else v
     return out
 
@@ -374,16 +383,28 @@ class Runner:
         except Exception as e:
             r.notes.append(f"recording the scenario failed: {type(e).__name__}: {e}")
 
-    def _firing_names(self) -> set[str]:
-        return {a["labels"].get("alertname", "") for a in self.stack.prom.firing()}
+    def _try_firing(self, r: DrillResult | None = None) -> set[str] | None:
+        """The names firing now, or None (with a note on the report) when Prometheus did not answer."""
+        try:
+            return {a["labels"].get("alertname", "") for a in self.stack.prom.firing()}
+        except PromError as e:
+            if r is not None:
+                note = f"prometheus query failed: {e}"
+                if note not in r.notes:
+                    r.notes.append(note)
+            return None
 
-    def wait_quiet(self, watch: set[str], timeout: float = 240.0) -> set[str]:
+    def _firing_names(self, r: DrillResult | None = None) -> set[str]:
+        """The names firing now; empty (and a note on the report) when Prometheus did not answer."""
+        return self._try_firing(r) or set()
+
+    def wait_quiet(self, watch: set[str], timeout: float = 240.0, r: DrillResult | None = None) -> set[str]:
         """Wait until none of ``watch`` fires (e.g. a previous drill's alert still resolving)."""
         deadline = time.time() + timeout
-        firing = self._firing_names() & watch
+        firing = self._firing_names(r) & watch
         while firing and time.time() < deadline:
             time.sleep(2)
-            firing = self._firing_names() & watch
+            firing = self._firing_names(r) & watch
         return firing
 
     def run(self, drill: Drill, steady_s: float = 25.0) -> DrillResult:
@@ -401,11 +422,11 @@ class Runner:
             self.progress(f"[{drill.name}] baseline traffic; waiting until nothing fires")
             time.sleep(steady_s)
             # The drill's own alert and every critical must be quiet before the fault goes in.
-            leftover = self.wait_quiet({drill.expected} | self.critical)
+            leftover = self.wait_quiet({drill.expected} | self.critical, r=r)
             if leftover:
                 r.notes.append(f"still firing before injection: {sorted(leftover)}")
                 r.details["_pre"] = sorted(leftover)
-            already = self._firing_names()
+            already = self._firing_names(r)
             if already:
                 r.notes.append(f"firing before injection (not counted against the drill): {sorted(already)}")
             r.checks["healthy_before"] = st.healthy()
@@ -413,60 +434,67 @@ class Runner:
                 r.service_survived = False
                 r.failures.append("service unhealthy before injection: aborted")
                 return r
-            r.injected_at = time.time()
-            self.progress(f"[{drill.name}] injecting the fault")
-            try:
-                drill.inject(st, r)
-            except Exception as e:
-                r.failures.append(f"injection failed: {type(e).__name__}: {e}")
             seen: set[str] = set()
             healthy_during = True
-            deadline = r.injected_at + DETECT_DEADLINE_S
-            while time.time() < deadline:
-                try:
-                    alerts = st.prom.firing()
-                except Exception as e:
-                    r.notes.append(f"prometheus query failed: {e}")
-                    alerts = []
-                seen |= {a["labels"].get("alertname", "") for a in alerts}
-                hit = [a for a in alerts if drill.expected_alert_matches(a)]
-                if hit and r.time_to_detect_s is None:
-                    r.time_to_detect_s = time.time() - r.injected_at
-                    r.expected_labels = {k: v for k, v in hit[0]["labels"].items()}
-                    self.progress(f"[{drill.name}] {drill.expected} firing after {r.time_to_detect_s:.1f}s")
-                if r.time_to_detect_s is not None and st.webhook is not None and r.time_to_webhook_s is None:
-                    note = st.webhook.first_firing(drill.expected, r.injected_at)
-                    if note is not None:
-                        r.time_to_webhook_s = note.received - r.injected_at
-                if r.time_to_detect_s is not None and (st.webhook is None or r.time_to_webhook_s is not None):
-                    break
-                healthy_during = healthy_during and st.healthy()
-                time.sleep(1.0)
-            if r.time_to_detect_s is not None:
-                # Triage runs when the alert fires, as `stepwatch triage serve` would on the webhook.
-                if self.triage is not None:
-                    try:
-                        verdict = self.triage(st, r)
-                        if verdict:
-                            r.triage = verdict
-                            r.triage_cause = verdict.get("cause")
-                    except Exception as e:
-                        r.notes.append(f"triage failed: {type(e).__name__}: {e}")
-                try:
-                    drill.while_firing(st, r)
-                except Exception as e:
-                    r.failures.append(f"check while firing failed: {type(e).__name__}: {e}")
-            seen |= self._firing_names()
-            healthy_during = healthy_during and st.healthy()
-            r.restored_at = time.time()
-            self.progress(f"[{drill.name}] restoring")
+            r.injected_at = time.time()
+            self.progress(f"[{drill.name}] injecting the fault")
+            # Once the fault may be in, it comes out whatever happens next (a Prometheus error, a failed
+            # check, Ctrl-C or SIGTERM): restore runs exactly once, in the finally.
             try:
-                drill.restore(st, r)
-            except Exception as e:
-                r.failures.append(f"restore failed: {type(e).__name__}: {e}")
+                try:
+                    drill.inject(st, r)
+                except Exception as e:
+                    r.failures.append(f"injection failed: {type(e).__name__}: {e}")
+                deadline = r.injected_at + DETECT_DEADLINE_S
+                while time.time() < deadline:
+                    try:
+                        alerts = st.prom.firing()
+                    except Exception as e:
+                        r.notes.append(f"prometheus query failed: {e}")
+                        alerts = []
+                    seen |= {a["labels"].get("alertname", "") for a in alerts}
+                    hit = [a for a in alerts if drill.expected_alert_matches(a)]
+                    if hit and r.time_to_detect_s is None:
+                        r.time_to_detect_s = time.time() - r.injected_at
+                        r.expected_labels = {k: v for k, v in hit[0]["labels"].items()}
+                        self.progress(f"[{drill.name}] {drill.expected} firing after {r.time_to_detect_s:.1f}s")
+                    if r.time_to_detect_s is not None and st.webhook is not None and r.time_to_webhook_s is None:
+                        note = st.webhook.first_firing(drill.expected, r.injected_at)
+                        if note is not None:
+                            r.time_to_webhook_s = note.received - r.injected_at
+                    if r.time_to_detect_s is not None and (st.webhook is None or r.time_to_webhook_s is not None):
+                        break
+                    healthy_during = healthy_during and st.healthy()
+                    time.sleep(1.0)
+                if r.time_to_detect_s is not None:
+                    # Triage runs when the alert fires, as `stepwatch triage serve` would on the webhook.
+                    if self.triage is not None:
+                        try:
+                            verdict = self.triage(st, r)
+                            if verdict:
+                                r.triage = verdict
+                                r.triage_cause = verdict.get("cause")
+                        except Exception as e:
+                            r.notes.append(f"triage failed: {type(e).__name__}: {e}")
+                    try:
+                        drill.while_firing(st, r)
+                    except Exception as e:
+                        r.failures.append(f"check while firing failed: {type(e).__name__}: {e}")
+                seen |= self._firing_names(r)
+                healthy_during = healthy_during and st.healthy()
+            finally:
+                r.restored_at = time.time()
+                self.progress(f"[{drill.name}] restoring")
+                try:
+                    drill.restore(st, r)
+                except Exception as e:
+                    r.failures.append(f"restore failed: {type(e).__name__}: {e}")
             deadline = r.restored_at + RESOLVE_DEADLINE_S
             while time.time() < deadline:
-                firing = self._firing_names()
+                firing = self._try_firing(r)
+                if firing is None:  # no answer is not "resolved"
+                    time.sleep(2.0)
+                    continue
                 seen |= firing
                 if drill.expected not in firing:
                     r.resolved = True
@@ -519,17 +547,19 @@ class Runner:
         return r
 
 
-def calibrate_baselines(stack: LocalStack, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def calibrate_baselines(stack: LocalStack, progress: Callable[[str], None] | None = None,
+                        th: Thresholds | None = None) -> dict[str, Any]:
     """Per-shape step-time and hit-rate baselines from steady traffic, published through the admin knob.
 
     In production the baseline file comes from the deployment's benchmark run;
     for the drills it is measured on the practice service itself.
     """
     progress = progress or (lambda m: None)
-    step = stack.prom.query("sum by (shape) (rate(stepwatch_pipeline_step_duration_seconds_sum[1m])) / "
-                            "sum by (shape) (rate(stepwatch_pipeline_step_duration_seconds_count[1m]))")
-    hits = stack.prom.query('sum by (shape) (rate(stepwatch_cache_decisions_total{decision="hit"}[1m])) / '
-                            "sum by (shape) (rate(stepwatch_cache_decisions_total[1m]))")
+    w = _rate_window(th or load_thresholds(), stack)
+    step = stack.prom.query(f"sum by (shape) (rate(stepwatch_pipeline_step_duration_seconds_sum[{w}])) / "
+                            f"sum by (shape) (rate(stepwatch_pipeline_step_duration_seconds_count[{w}]))")
+    hits = stack.prom.query(f'sum by (shape) (rate(stepwatch_cache_decisions_total{{decision="hit"}}[{w}])) / '
+                            f"sum by (shape) (rate(stepwatch_cache_decisions_total[{w}]))")
     shapes: dict[str, dict[str, float]] = {}
     for s in step:
         if s.label("shape") != "other" and s.value == s.value and s.value > 0:

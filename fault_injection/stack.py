@@ -17,6 +17,7 @@ import http.server
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -137,15 +138,45 @@ class WebhookReceiver:
             return list(self.received)
 
 
+@contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit (143), so ``finally`` blocks stop children and restore faults.
+
+    CI stops a job with SIGTERM; Python's default for it ends the process at once,
+    leaving the service, Prometheus and a fault in place.  Only the main thread can
+    install a handler: elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class Child:
-    """A child process with its output in a log file."""
+    """A child process with its output in a log file.
+
+    It leads a process group of its own (``start_new_session``), so ``stop()``
+    also ends what it started (the service's worker and rank processes).
+    """
 
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        try:
+            self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        except BaseException:
+            self._log.close()
+            raise
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -158,14 +189,26 @@ class Child:
             return ""
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        """SIGTERM to the child (it stops its own children), then SIGKILL to whatever is left of its group."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._kill_group()
+            if self.proc.poll() is None:
                 self.proc.wait(timeout=10)
-        self._log.close()
+        finally:
+            self._log.close()
+
+    def _kill_group(self) -> None:
+        # The group id is the child's pid (start_new_session); grandchildren that outlived it are still in it.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # the whole group is gone already
 
 
 def _up(url: str) -> bool:

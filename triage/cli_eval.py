@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,7 +52,7 @@ def evaluate(scenario_dir: Path) -> dict[str, Any]:
         with Replay(scenario_dir) as rp:
             sc = rp.scenario
             report = triage(rp.alerts(), rp.prom, at=rp.evaluated_at)
-    except (ReplayError, OSError) as e:
+    except (ReplayError, OSError, subprocess.TimeoutExpired) as e:  # this case failed; the others still run
         return {"name": scenario_dir.name, "error": str(e), "correct": False, "expected": None, "got": None,
                 "status": "error", "seconds": round(time.time() - t0, 1), "control": False}
     expected = sc.get("expected_cause")
@@ -69,6 +70,13 @@ def evaluate(scenario_dir: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stepwatch.fault_injection.stack import exit_on_sigterm
+
+    with exit_on_sigterm():  # a SIGTERM still stops the replays' Prometheus servers
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     root = Path(args.scenarios) if args.scenarios else default_scenarios()
@@ -77,8 +85,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"stepwatch triage eval: no scenarios (*/scenario.yaml) under {root}", file=sys.stderr)
         return 2
     t0 = time.time()
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, args.jobs))
+    try:
         results = list(pool.map(evaluate, dirs))
+    finally:  # on SIGTERM or Ctrl-C: start no further replay, let the running ones stop their Prometheus
+        pool.shutdown(wait=True, cancel_futures=True)
     print(f"{'scenario':<30}{'expected':<28}{'triage named':<28}{'conf':<8}{'':<4}s")
     for r in results:
         exp = r["expected"] or "(none: control)"
@@ -91,6 +102,14 @@ def run(args: argparse.Namespace) -> int:
         if args.verbose_reports and r.get("report"):
             print("\n".join("    " + line for line in r["report"].splitlines()))
     cases = len(results)
+    failed = [r for r in results if r["status"] == "error"]
+    if failed and len(failed) == cases:
+        msg = (f"stepwatch triage eval: no scenario could be replayed ({cases} of {cases} failed; first: "
+               f"{failed[0]['name']}: {failed[0].get('error')}); nothing was scored")
+        print(msg, file=sys.stderr)
+        if args.json:
+            print(json.dumps({"cases": cases, "replayed": 0, "error": msg}))
+        return 2
     correct = sum(r["correct"] for r in results)
     summary = {
         "cases": cases,
@@ -100,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         "all_clear_during_fault": sum(1 for r in results if not r["control"] and r["status"] == "all_clear"),
     }
     controls = sum(r["control"] for r in results)
-    print(f"\naccuracy {correct}/{cases} = {summary['accuracy']:.2f} ({cases - controls} faults, {controls} controls); "
+    print(f"\naccuracy {correct}/{cases} = {summary['accuracy']:.2f} ({cases - controls} faults, {controls} controls"
+          + (f"; {len(failed)} could not be replayed" if failed else "") + "); "
           f"false causes on controls: {summary['false_causes_on_controls']}; "
           f"all clear during a fault: {summary['all_clear_during_fault']}; {time.time() - t0:.0f}s")
     if args.json:

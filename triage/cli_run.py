@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(prom, at=at)
     try:
         if args.alertmanager and at is None:
-            alerts = [a for a in (Alert.parse(x) for x in Alertmanager(args.alertmanager, timeout=5.0).alerts())
-                      if a.status == "firing"]
+            # Every state: the engine triages the firing ones and counts the suppressed (silenced, inhibited).
+            alerts = [Alert.parse(x) for x in Alertmanager(args.alertmanager, timeout=5.0).alerts()]
         else:
             alerts = firing_at(prom, at)
     except PromError as e:

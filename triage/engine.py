@@ -34,9 +34,6 @@ CONFIDENCE_RANK = {"high": 0, "medium": 1, "low": 2, "none": 3}
 FLOW_BONUS = 3.0
 # Causes that name another alert as the real story: the incident of that alert (same host)
 # absorbs them ("errors are mostly OOMs" -> the OOM incident says why).
-# An ALERTS sample older than this at the evaluation time is a resolved alert (two production
-# evaluation intervals).
-ALERT_FRESH_S = 30.0
 REFERS_TO: dict[str, tuple[str, ...]] = {
     "out_of_memory": ("StepwatchOutOfMemory",),
     "instance_slowdown": ("StepwatchStepTimeRegression",),
@@ -61,8 +58,10 @@ class Alert:
     def parse(cls, d: Mapping[str, Any]) -> Alert:
         labels = {str(k): str(v) for k, v in (d.get("labels") or {}).items()}
         status: Any = d.get("status")
-        if isinstance(status, dict):  # Alertmanager API v2: {"state": "active" | "suppressed" | ...}
-            status = "firing" if status.get("state") in ("active", None) else str(status.get("state"))
+        if isinstance(status, dict):  # Alertmanager API v2: {"state": "active" | "unprocessed" | "suppressed"}
+            # "unprocessed": received, not yet through silences and inhibitions: it fires until they say otherwise.
+            state = status.get("state")
+            status = "firing" if state in ("active", "unprocessed", None) else str(state)
         if status is None:  # Prometheus API: state pending | firing
             status = d.get("state", "firing")
         return cls(name=labels.get("alertname", ""), labels=labels,
@@ -116,6 +115,20 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def alert_fresh_s(th: Any, profile: str | None = None) -> float:
+    """How old an ``ALERTS`` sample may be at the evaluation time and still be a firing alert.
+
+    Two evaluation intervals of the alert's profile (thresholds source): a rule
+    evaluation rewrites it every interval while it fires.  For a profile not in the
+    source, the slowest profile's (production's), so a live alert is never dropped.
+    """
+    from stepwatch.alerts.thresholds import parse_duration
+
+    if profile in th.profiles:
+        return 2 * parse_duration(th.profiles[profile].evaluation_interval)
+    return 2 * max(parse_duration(p.evaluation_interval) for p in th.profiles.values())
+
+
 def firing_at(prom: Prometheus, at: float | None = None, thresholds: Any = None) -> list[Alert]:
     """Alerts firing now (Prometheus' alerts API), or at a past time (the ``ALERTS`` series).
 
@@ -129,8 +142,10 @@ def firing_at(prom: Prometheus, at: float | None = None, thresholds: Any = None)
     th = thresholds or _thresholds()
     out = []
     for s in prom.query('timestamp(ALERTS{alertstate="firing"})', at=at):
-        if at - s.value > ALERT_FRESH_S:  # resolved: no rule evaluation wrote it lately (a backfill has no
-            continue                      # staleness markers, so the lookback alone would still show it)
+        # Resolved: no rule evaluation wrote it lately (a backfill has no staleness markers, so the
+        # lookback alone would still show it).
+        if at - s.value > alert_fresh_s(th, s.labels.get("profile")):
+            continue
         labels = {k: v for k, v in s.labels.items() if k not in ("__name__", "alertstate")}
         ann: dict[str, str] = {}
         try:
@@ -280,7 +295,9 @@ class Diagnosis:
         if self.runbook is None:
             return "no runbook for this alert: read its description and escalate"
         if self.could_not_check:
-            return "Prometheus could not be queried: open the dashboard panel and run the runbook's checks by hand"
+            first = next((c.error for c in self.checks if c.error), None) or "unknown error"
+            return (f"no check of {self.runbook.file} could run (first error: {first}): run its checks by hand "
+                    "and open the dashboard panel")
         mit = self.runbook.sections.get("Mitigation", "")
         if self.cause is not None:
             line = mitigation_for(mit, self.cause)
@@ -438,8 +455,13 @@ class Engine:
                            c.if_healthy, values, err)
 
     def run(self, alerts: Iterable[Alert]) -> Report:
+        """Triage the firing alerts; suppressed ones (silenced or inhibited) are only counted."""
         t0 = time.time()
-        firing = [a for a in alerts if a.status == "firing"]
+        given = list(alerts)
+        firing = [a for a in given if a.status == "firing"]
+        keys = {a.key for a in firing}
+        suppressed = sorted({a.key: a for a in given if a.status == "suppressed" and a.key not in keys}.values(),
+                            key=lambda a: a.key)
         seen: set[str] = set()
         uniq = []
         for a in firing:
@@ -449,7 +471,8 @@ class Engine:
         diags = [self.diagnose(a) for a in uniq]
         return Report(at=self.at, generated=time.time(), prometheus=self.prom.url, incidents=group(diags),
                       duration_s=time.time() - t0,
-                      prometheus_error=None if not uniq or self.reachable() else self._unreachable_reason)
+                      prometheus_error=None if not uniq or self.reachable() else self._unreachable_reason,
+                      suppressed=suppressed)
 
 
 def rank(rb: Runbook, checks: Sequence[CheckResult], flow_cause: str | None, reached_definitely: bool,
@@ -616,6 +639,7 @@ class Report:
     incidents: list[Incident]
     duration_s: float = 0.0
     prometheus_error: str | None = None
+    suppressed: list[Alert] = field(default_factory=list)  # silenced or inhibited in Alertmanager: not triaged
 
     @property
     def status(self) -> Literal["all_clear", "incidents", "could_not_check"]:
@@ -641,6 +665,7 @@ class Report:
         return {"status": self.status, "evaluated_at": _iso(self.at) if self.at is not None else None,
                 "evaluated_at_unix": self.at, "generated_at": _iso(self.generated), "prometheus": self.prometheus,
                 "prometheus_error": self.prometheus_error, "duration_s": round(self.duration_s, 3),
+                "suppressed": [a.short() for a in self.suppressed],
                 "incidents": [i.to_json() for i in self.incidents]}
 
 

@@ -21,14 +21,13 @@ import gzip
 import json
 import math
 import time
-import urllib.parse
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from stepwatch.promapi import PromError, Prometheus, _get
+from stepwatch.promapi import Prometheus
 
 SAMPLES_FILE = "samples.om.gz"
 SCENARIO_FILE = "scenario.yaml"
@@ -38,14 +37,8 @@ NAME_MATCH = '{__name__=~"stepwatch_.+|[a-z_]+:.+|ALERTS|ALERTS_FOR_STATE|up"}'
 
 
 def _api(url: str, path: str, params: Mapping[str, Any], timeout: float = 60.0) -> Any:
-    body = _get(f"{url.rstrip('/')}/api/v1/{path}?{urllib.parse.urlencode(params, doseq=True)}", timeout)
-    if body.get("status") != "success":
-        raise PromError(f"{path}: {body.get('errorType')}: {body.get('error')}")
-    return body["data"]
-
-
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    """``data`` of one Prometheus API call (errors and odd answers are PromError, as everywhere)."""
+    return Prometheus(url, timeout=timeout)._api(path, dict(params))
 
 
 def _value(v: str) -> str:
@@ -98,6 +91,7 @@ def names_to_export(prometheus_url: str, start: float, end: float, all_buckets: 
 def export_openmetrics(prometheus_url: str, start: float, end: float, names: Iterable[str] | None = None,
                        ) -> tuple[str, dict[str, int]]:
     """OpenMetrics text of the raw samples in (start, end]; counts of names, series and samples."""
+    from stepwatch.triage.engine import _selector  # the label escaping the engine's queries use
     if names is None:
         names = names_to_export(prometheus_url, start, end)
     seconds = max(1, math.ceil(end - start))
@@ -109,8 +103,7 @@ def export_openmetrics(prometheus_url: str, start: float, end: float, names: Ite
             continue
         for series in sorted(data["result"], key=lambda r: sorted(r["metric"].items())):
             labels = {k: v for k, v in series["metric"].items() if k != "__name__"}
-            sel = name + ("{" + ",".join(f'{k}="{_esc(v)}"' for k, v in sorted(labels.items())) + "}"
-                          if labels else "")
+            sel = name + (_selector(labels) if labels else "")
             values = series.get("values") or []
             n_series += 1
             n_samples += len(values)

@@ -35,6 +35,13 @@ def expected_cause(alertname: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from stepwatch.fault_injection.stack import exit_on_sigterm
+
+    with exit_on_sigterm():  # a SIGTERM still stops the stack and restores the fault (the finally blocks)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m stepwatch.triage.record_drills", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="triage/scenarios", help="scenario directory (default: %(default)s)")
@@ -85,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with stack.traffic(concurrency=2):
                     time.sleep(70)
-                    calibrate_baselines(stack, progress)
+                    calibrate_baselines(stack, progress, th)
                     for k in range(args.controls):
                         time.sleep(args.control_seconds)
                         end = time.time()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import IO, Any
+from typing import IO
 
 from stepwatch.runbooks.parse import CAUSES
 from stepwatch.triage.engine import CheckResult, Incident, Report
@@ -49,7 +49,7 @@ def incident_terminal(inc: Incident, color: bool = False, index: int | None = No
     lines = []
     if inc.could_not_check:
         lines.append(paint(f"{num}COULD NOT CHECK", "bold", "yellow") + f"  {p.alert.short()}  [{sev}]")
-        lines.append(f"  {p.error or 'Prometheus could not be queried'}")
+        lines.append(f"  {p.error or 'no check could run'}")
     elif inc.cause is None:
         lines.append(paint(f"{num}NO CAUSE FOUND", "bold", SEVERITY_COLOR.get(inc.severity, "bold"))
                      + f"  {p.alert.short()}  [{sev}]")
@@ -83,11 +83,23 @@ def incident_terminal(inc: Incident, color: bool = False, index: int | None = No
     return "\n".join(lines)
 
 
+def suppressed_text(report: Report, limit: int = 5) -> str:
+    """``3 alerts suppressed (silenced or inhibited in Alertmanager): A, B, C``, or "" when none are."""
+    n = len(report.suppressed)
+    if not n:
+        return ""
+    names = ", ".join(a.short() for a in report.suppressed[:limit]) + (f" +{n - limit} more" if n > limit else "")
+    return f"{n} alert{'s' if n != 1 else ''} suppressed (silenced or inhibited in Alertmanager, not triaged): {names}"
+
+
 def terminal(report: Report, color: bool = False) -> str:
     paint = _Paint(color)
     when = f" at {report.to_json()['evaluated_at']}" if report.at is not None else ""
+    quiet = suppressed_text(report)
     if report.status == "all_clear":
-        return paint("ALL CLEAR", "bold", "green") + f": nothing is firing ({report.prometheus}{when})\n"
+        what = "nothing unsuppressed is firing" if quiet else "nothing is firing"
+        return (paint("ALL CLEAR", "bold", "green") + f": {what} ({report.prometheus}{when})"
+                + (f"; {quiet}" if quiet else "") + "\n")
     head = []
     if report.prometheus_error:
         head.append(paint("COULD NOT CHECK", "bold", "yellow")
@@ -95,7 +107,8 @@ def terminal(report: Report, color: bool = False) -> str:
                       "the runbook checks below were not run.")
     n = len(report.incidents)
     head.append(paint(f"{n} incident{'s' if n != 1 else ''}", "bold")
-                + f" from {sum(len(i.alerts) for i in report.incidents)} firing alert(s){when}")
+                + f" from {sum(len(i.alerts) for i in report.incidents)} firing alert(s){when}"
+                + (f"; {quiet}" if quiet else ""))
     body = [incident_terminal(i, color, k + 1 if n > 1 else None) for k, i in enumerate(report.incidents)]
     return "\n".join(head) + "\n\n" + "\n\n".join(body) + "\n"
 
@@ -111,8 +124,11 @@ def markdown(report: Report) -> str:
            f"Prometheus `{report.prometheus}`, evaluated at {when}.", ""]
     if report.prometheus_error:
         out += [f"**Could not check:** Prometheus did not answer ({_md_escape(report.prometheus_error)}).", ""]
+    quiet = suppressed_text(report)
+    if quiet:
+        out += [_md_escape(quiet) + ".", ""]
     if report.status == "all_clear":
-        out.append("Nothing is firing.")
+        out.append("Nothing unsuppressed is firing." if quiet else "Nothing is firing.")
         return "\n".join(out) + "\n"
     for k, inc in enumerate(report.incidents, 1):
         p = inc.primary
@@ -165,9 +181,3 @@ def render(report: Report, fmt: str, color: bool = False) -> str:
         return as_json(report) + "\n"
     return terminal(report, color)
 
-
-def summary(report: Report) -> dict[str, Any]:
-    """A short machine summary: status and each incident's cause and alerts."""
-    return {"status": report.status,
-            "incidents": [{"cause": i.cause, "confidence": i.confidence, "alerts": [a.name for a in i.alerts]}
-                          for i in report.incidents]}

@@ -21,16 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stepwatch.fault_injection.stack import Child, free_port
 from stepwatch.promapi import PromError, Prometheus
 from stepwatch.triage.record import SAMPLES_FILE, load_scenario
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["Replay", "ReplayError", "free_port"]
 
 
 class ReplayError(RuntimeError):
@@ -49,7 +44,7 @@ class Replay:
             workdir = self._tmp.name
         self.workdir = Path(workdir)
         self.timeout = timeout
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Child | None = None
         self.url = ""
         self.prom: Prometheus
 
@@ -66,6 +61,14 @@ class Replay:
         return list(self.scenario.get("alerts") or [])
 
     def start(self) -> Replay:
+        """Backfill and start Prometheus; on any failure (Ctrl-C included) nothing is left behind."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Replay:
         for tool in ("promtool", "prometheus"):
             if shutil.which(tool) is None:
                 raise ReplayError(f"{tool} not found (Debian package prometheus)")
@@ -74,27 +77,26 @@ class Replay:
         om = self.workdir / "samples.om"
         with gzip.open(self.dir / SAMPLES_FILE, "rb") as src, open(om, "wb") as dst:
             shutil.copyfileobj(src, dst)
-        r = subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(om), str(data)],
-                           capture_output=True, text=True, timeout=300)
-        om.unlink()
+        try:
+            r = subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(om),
+                                str(data)], capture_output=True, text=True, timeout=300)
+        finally:
+            om.unlink(missing_ok=True)
         if r.returncode != 0:
             raise ReplayError(f"promtool backfill of {self.dir.name} failed: {r.stderr.strip() or r.stdout.strip()}")
         cfg = self.workdir / "prometheus.yml"
         cfg.write_text("global:\n  scrape_interval: 1h\n")
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self._log = open(self.workdir / "prometheus.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={data}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=100y",
-             f"--query.lookback-delta={self.lookback}",
-             "--log.level=warn"], stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = Child("prometheus", [
+            "prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={data}",
+            f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=100y",
+            f"--query.lookback-delta={self.lookback}", "--log.level=warn"], self.workdir / "prometheus.log")
         self.prom = Prometheus(self.url, timeout=10.0)
         deadline = time.time() + self.timeout
         while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise ReplayError(f"prometheus exited with {self.proc.returncode}: "
-                                  f"{(self.workdir / 'prometheus.log').read_text()[-2000:]}")
+            if not self.proc.alive():
+                raise ReplayError(f"prometheus exited with {self.proc.proc.returncode}: {self.proc.tail(2000)}")
             if self.prom.ready():
                 try:
                     self.prom.query("vector(1)")
@@ -102,23 +104,18 @@ class Replay:
                 except PromError:
                     pass
             time.sleep(0.1)
-        self.stop()
         raise ReplayError(f"prometheus on {self.dir.name} not ready in {self.timeout:.0f}s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.proc = None
-        if hasattr(self, "_log"):
-            self._log.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        """Stop Prometheus and remove the temporary work directory; safe to call more than once."""
+        proc, self.proc = self.proc, None
+        try:
+            if proc is not None:
+                proc.stop(timeout=15)
+        finally:
+            if self._tmp is not None:
+                self._tmp.cleanup()
+                self._tmp = None
 
     def __enter__(self) -> Replay:
         return self.start()

@@ -115,6 +115,8 @@ class ServiceClient:
             raise ProbeError("timeout", f"{method} {self.target}{path}: no answer within {timeout_s:.1f} s") from None
         except httpx.TransportError as e:
             raise ProbeError("connect", f"{method} {self.target}{path}: {type(e).__name__}: {e}") from None
+        except httpx.HTTPError as e:  # not a transport failure: a body that does not decode, too many redirects
+            raise ProbeError("bad_response", f"{method} {self.target}{path}: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
             msg = r.text[:300].replace("\n", " ")
             raise ProbeError(http_reason(r.status_code), f"{method} {path}: HTTP {r.status_code}: {msg}")

@@ -183,13 +183,19 @@ class Prober:
         m.quality_baseline_stale.labels(name).set(0)
         m.quality_baseline_ok.labels(name).set(0)
         m.quality_probe_runs_total.labels(name)
+        # 0 = never succeeded.  The probe-failing alert skips 0 (``last_success > 0``) and catches a prober
+        # that never succeeds by its failure counter instead, so every failed run counts a failure.
+        m.quality_last_success_timestamp_seconds.labels(name).set(0)
         for reason in ("connect", "timeout", "bad_response", "baseline"):
             m.quality_probe_failures_total.labels(name, reason)
 
     # --- timing --------------------------------------------------------------------------
 
     def request_timeout(self) -> float:
-        """Explicit, or a few seconds beyond the slowest probe request seen (initial value before that)."""
+        """Explicit, or a few seconds beyond the slowest probe request seen (initial value before that).
+
+        After a run with timeouts it doubles (up to the initial value): the service got slower.
+        """
         if self.timeout_s is not None:
             return self.timeout_s
         if self.expected_request_s is not None:
@@ -233,6 +239,7 @@ class Prober:
             except Exception as e:  # a bug here must not stop the sidecar
                 log.exception("probe run failed unexpectedly")
                 res.status, res.error = "failed", f"{type(e).__name__}: {e}"
+                self._fail(res, "bad_response")  # counted, so the probe-failing alert sees the run fail
             res.duration_s = time.monotonic() - t0
             self._export(res)
             self._log_state(res)
@@ -292,7 +299,17 @@ class Prober:
             timeouts = 0
             self._score(res, out, gen, info, base)
         self._finish(res, info)
+        if res.failures.get("timeout") and self.timeout_s is None:
+            self._grow_timeout(timeout)
 
+    def _grow_timeout(self, used: float) -> None:
+        """Requests timed out at ``used`` seconds: allow twice that next run, capped at the initial timeout.
+
+        Without this the timeout could only shrink (it follows the slowest *answered* request),
+        so a service that slowed down would time out on every run from then on.
+        """
+        grown = max(used, min(2 * used, self.initial_timeout_s))
+        self.expected_request_s = grown - self.timeout_margin_s
     def _score(self, res: ProbeResult, out: ImageOutcome, gen: Generated, info: ServiceInfo, base: Baseline) -> None:
         out.instance_id = gen.instance_id or info.instance_id
         out.fingerprint_id = gen.fingerprint_id or info.fingerprint_id
