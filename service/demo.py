@@ -39,13 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_size(text: str) -> tuple[int, int]:
+    from stepwatch.service.config import ConfigError, parse_size
+
     try:
-        w, h = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"demo: bad size {text!r}; expected WxH like 512x512") from None
-    if w % 16 or h % 16 or w <= 0 or h <= 0:
-        raise SystemExit(f"demo: size {text!r} must be positive multiples of 16")
-    return w, h
+        return parse_size(text)
+    except ConfigError as e:
+        raise SystemExit(f"demo: bad --shapes {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
