@@ -258,6 +258,10 @@ class Instrumentation:
         if components == self._components_key:
             return
         self._components_key = components
+        for name in list(self._patches):  # a component removed or swapped: let go of the old object
+            comp = name.split(".", 1)[0]
+            if comp in _COMPONENTS and d.get(comp) is not self._patches[name][0]:
+                self._unpatch(name)
         if getattr(type(pipe), "encode_prompt", None) is not None:
             self._patch("encode_prompt", pipe, "encode_prompt", self._wrap_stage(pipe.encode_prompt, "te"))
         sched = getattr(pipe, "scheduler", None)

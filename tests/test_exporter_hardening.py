@@ -58,3 +58,19 @@ def test_a_compiled_transformer_still_feeds_the_ledger(clean_flux: Any, registry
         uninstrument(clean_flux)
         clean_flux.transformer = original
         torch._dynamo.reset()
+
+
+def test_a_removed_component_is_let_go(clean_flux: Any, registry: Any) -> None:
+    instrument(clean_flux, registry=registry)
+    gen(clean_flux)
+    old = clean_flux.vae
+    assert "decode" in old.__dict__  # patched on the instance
+    clean_flux.vae = None
+    try:
+        gen(clean_flux, output_type="latent")  # runs without a VAE
+        assert "decode" not in old.__dict__  # unpatched: nothing of ours keeps the old weights alive
+        data = scrape(registry)
+        assert value(data, "stepwatch_pipeline_requests_total", shape="256x256_4s", outcome="ok") == 2
+    finally:
+        uninstrument(clean_flux)
+        clean_flux.vae = old
