@@ -26,7 +26,8 @@ TEST_CONFIG: dict[str, Any] = {
     "cache": {"kind": "first_block_cache", "threshold": 0.5},
     "vae_tiling": True,
     "memory_budget_mb": 700,
-    "pools": {"small": {"sizes": ["256x256", "320x320"], "slo_seconds": 10},
+    # 288x288: only test_service_http's unwarmed-shape test requests it (its first serving compile).
+    "pools": {"small": {"sizes": ["256x256", "288x288", "320x320"], "slo_seconds": 10},
               "large": {"sizes": ["1024x1024", "2048x2048"], "slo_seconds": 60}},
     "other_pool": {"slo_seconds": 30},
     "admin_token": ADMIN_TOKEN,
@@ -34,6 +35,7 @@ TEST_CONFIG: dict[str, Any] = {
 
 
 def free_port() -> int:
+    """A loopback TCP port nothing listens on now (the tests' one free-port helper)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

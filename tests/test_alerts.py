@@ -20,13 +20,14 @@ import yaml
 from stepwatch.alerts import generate, gotemplate, promql, promtests, rulegen, stack
 from stepwatch.alerts.thresholds import SEVERITIES, ThresholdsError, load, parse
 from stepwatch.catalog import MEMORY_RATIO_BUCKETS, series_names
+from tests.conftest import need_tool
+from tests.servicefixture import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "alerts"
 PROFILES = ("production", "drill")
-PROMTOOL = shutil.which("promtool")
-AMTOOL = shutil.which("amtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+# Skipped when missing, failed under STEPWATCH_REQUIRE_TOOLS=1 (./dev test, CI): see tests/conftest.py.
+needs_promtool = pytest.mark.needs_tool("promtool")
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,7 @@ def raw() -> dict[str, Any]:
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    assert PROMTOOL is not None
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+    return subprocess.run([need_tool("promtool"), *args], capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
 # ----- generated files are current and deterministic ------------------------------------------
@@ -376,10 +376,6 @@ def test_committed_stack_configs_are_valid(tmp_path: Path) -> None:
         r = promtool("check", "config", str(ALERTS / f"stack/prometheus-{p}.yml"))
         assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
         assert f"stepwatch-{p}.rules.yml" in r.stdout  # the rule file was found and checked
-        if AMTOOL is not None:
-            r = subprocess.run([AMTOOL, "check-config", str(ALERTS / f"stack/alertmanager-{p}.yml")],
-                               capture_output=True, text=True, timeout=60)
-            assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
     # A rendering with other ports and absolute rule paths is valid too.
     cfg = tmp_path / "prom.yml"
     cfg.write_text(stack.prometheus_config("127.0.0.1:18000", "127.0.0.1:19465",
@@ -388,12 +384,12 @@ def test_committed_stack_configs_are_valid(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@pytest.mark.needs_tool("amtool")  # part of Debian's prometheus-alertmanager
+def test_committed_alertmanager_configs_are_valid() -> None:
+    for p in PROFILES:
+        r = subprocess.run([need_tool("amtool"), "check-config", str(ALERTS / f"stack/alertmanager-{p}.yml")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
 def _get(url: str) -> Any:
@@ -403,17 +399,13 @@ def _get(url: str) -> Any:
 
 
 @needs_promtool
+@pytest.mark.needs_tool("prometheus")
+@pytest.mark.needs_tool("prometheus-alertmanager", "alertmanager")
 def test_stack_starts_and_loads_the_rules(th: Any, tmp_path: Path) -> None:
     """Prometheus and Alertmanager start from these configs on loopback and see each other."""
-    if shutil.which("prometheus") is None:
-        pytest.skip("prometheus not installed")
-    try:
-        stack.alertmanager_binary()
-    except FileNotFoundError:
-        pytest.skip("alertmanager not installed")
-    pp, ap = _free_port(), _free_port()
+    pp, ap = free_port(), free_port()
     (tmp_path / "prom.yml").write_text(stack.prometheus_config(
-        f"127.0.0.1:{_free_port()}", None, alertmanager_url=f"http://127.0.0.1:{ap}", profile="drill"))
+        f"127.0.0.1:{free_port()}", None, alertmanager_url=f"http://127.0.0.1:{ap}", profile="drill"))
     (tmp_path / "am.yml").write_text(stack.alertmanager_config(profile="drill"))
     procs = [subprocess.Popen(stack.prometheus_argv(tmp_path / "prom.yml", tmp_path / "pd", f"127.0.0.1:{pp}"),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),

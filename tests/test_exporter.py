@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stepwatch.exporter import OTHER, InstrumentOptions, instrument, uninstrument
-from tests.promtext import scrape, total, value
+from tests.promtext import absent, scrape, total, value
 
 
 def gen(pipe: Any, hw: int = 256, steps: int = 4, seed: int = 0, **kw: Any) -> Any:
@@ -293,10 +293,21 @@ def test_spans_request_stages_and_step_events(clean_flux: Any, registry: Any) ->
 
 
 def test_no_spans_without_an_sdk(clean_flux: Any, registry: Any) -> None:
+    from opentelemetry import trace
+
+    from stepwatch.exporter import spans
+
+    # No SDK configured: the global provider is the API's default (a proxy to a no-op), and the exporter's
+    # tracer resolves to nothing, so no span is built.
+    assert isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+    tracer = spans.make_tracer(None)
+    assert isinstance(tracer, spans._LazyTracer) and tracer.get() is None
     inst = instrument(clean_flux, registry=registry)
     gen(clean_flux)
-    assert value(scrape(registry), "stepwatch_exporter_errors_total", component="emit.spans") == 0
-    assert inst.last_report is not None
+    data = scrape(registry)
+    assert value(data, "stepwatch_pipeline_requests_total", shape="256x256_4s", outcome="ok") == 1
+    assert total(data, "stepwatch_exporter_errors_total") == 0  # emit.spans (or anything else) never failed
+    assert inst.last_report is not None and inst.last_report.outcome == "ok"
 
 
 def test_baselines_are_published(clean_flux: Any, registry: Any, tmp_path: Any) -> None:
@@ -336,7 +347,9 @@ def test_deferred_device_timings_resolve_after_the_request(clean_flux: Any, regi
     inst = instrument(clean_flux, InstrumentOptions(registry=registry, clock=DeferredClock()))
     gen(clean_flux)
     assert inst.last_report is None  # not resolved: the "device" has not finished
-    assert value(scrape(registry), "stepwatch_pipeline_requests_total", shape="256x256_4s", outcome="ok") == 0
+    # Not counted yet: no request series at all until the timings resolve.
+    assert total(scrape(registry), "stepwatch_pipeline_requests_total") == 0
+    assert absent(scrape(registry), "stepwatch_pipeline_requests_total", shape="256x256_4s", outcome="ok")
     gate.set()
     import time
 

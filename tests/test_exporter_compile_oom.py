@@ -26,35 +26,37 @@ def _compile_case(backend: str, registry: Any) -> None:
     from stepwatch.service.pipeline import build_pipeline
 
     torch._dynamo.reset()
-    pipe = build_pipeline("flux", seed=0)
-    inst = instrument(pipe, registry=registry)
-    pipe.transformer.compile(backend=backend, dynamic=False)
-    frames = lambda: du.counters["frames"]["ok"]  # noqa: E731
-    f0 = frames()
-    with inst.warmup():
+    try:
+        pipe = build_pipeline("flux", seed=0)
+        inst = instrument(pipe, registry=registry)
+        pipe.transformer.compile(backend=backend, dynamic=False)
+        frames = lambda: du.counters["frames"]["ok"]  # noqa: E731
+        f0 = frames()
+        with inst.warmup():
+            gen(pipe, 256)
+        warm = frames() - f0
+        assert warm >= 1
+        data = scrape(registry)
+        assert value(data, "stepwatch_compile_total", shape="256x256_2s", phase="warmup") == warm
+        assert value(data, "stepwatch_compile_total", shape="256x256_2s", phase="serving") == 0
+        # Serving: a warmed shape compiles nothing, a new shape compiles exactly what Dynamo reports.
+        f1 = frames()
         gen(pipe, 256)
-    warm = frames() - f0
-    assert warm >= 1
-    data = scrape(registry)
-    assert value(data, "stepwatch_compile_total", shape="256x256_2s", phase="warmup") == warm
-    assert value(data, "stepwatch_compile_total", shape="256x256_2s", phase="serving") == 0
-    # Serving: a warmed shape compiles nothing, a new shape compiles exactly what Dynamo reports.
-    f1 = frames()
-    gen(pipe, 256)
-    assert frames() == f1
-    gen(pipe, 320)
-    new = frames() - f1
-    assert new >= 1
-    gen(pipe, 320)
-    assert frames() - f1 == new
-    data = scrape(registry)
-    assert value(data, "stepwatch_compile_total", shape="256x256_2s", phase="serving") == 0
-    assert value(data, "stepwatch_compile_total", shape="320x320_2s", phase="serving") == new
-    assert value(data, "stepwatch_compile_duration_seconds_count", shape="320x320_2s", phase="serving") == new
-    assert value(data, "stepwatch_compile_duration_seconds_sum", shape="320x320_2s", phase="serving") > 0
-    r = inst.last_report
-    assert r is not None and r.compiles == []
-    torch._dynamo.reset()
+        assert frames() == f1
+        gen(pipe, 320)
+        new = frames() - f1
+        assert new >= 1
+        gen(pipe, 320)
+        assert frames() - f1 == new
+        data = scrape(registry)
+        assert value(data, "stepwatch_compile_total", shape="256x256_2s", phase="serving") == 0
+        assert value(data, "stepwatch_compile_total", shape="320x320_2s", phase="serving") == new
+        assert value(data, "stepwatch_compile_duration_seconds_count", shape="320x320_2s", phase="serving") == new
+        assert value(data, "stepwatch_compile_duration_seconds_sum", shape="320x320_2s", phase="serving") > 0
+        r = inst.last_report
+        assert r is not None and r.compiles == []
+    finally:
+        torch._dynamo.reset()  # no compiled frames or counters leak into the next test
 
 
 def test_compile_events_cheap_backend(registry: Any) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,11 @@ from stepwatch.alerts.thresholds import PROFILES, load
 from stepwatch.catalog import METRICS, series_names
 from stepwatch.runbooks import parse
 from stepwatch.runbooks.parse import CAUSES, RunbookError
+from tests.conftest import need_tool
+from tests.promtext import absent, scrape, value
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNBOOKS = ROOT / "runbooks"
-PROMTOOL = shutil.which("promtool")
 
 # Example values for every label an alert can carry (rendering placeholders for the checks).
 EXAMPLE_LABELS = {"job": "stepwatch-service", "instance": "10.0.0.1:8000", "shape": "1024x1024_8s_cfg",
@@ -102,15 +104,14 @@ def test_rendering_fills_every_placeholder(th: Any, runbooks: dict[str, parse.Ru
     assert runbooks["StepwatchOutOfMemory"].check("vae_stage").render({}, th, "production").count("[15m]") == 1
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
+@pytest.mark.needs_tool("promtool")
 def test_every_check_query_parses_as_promql(th: Any, runbooks: dict[str, parse.Runbook], tmp_path: Path) -> None:
     rules = []
     for i, (_alert, _cid, _p, q) in enumerate(_rendered(th, runbooks)):
         rules.append({"record": f"runbook_check:q{i}", "expr": q})
     f = tmp_path / "checks.yml"
     f.write_text(yaml.safe_dump({"groups": [{"name": "runbook-checks", "rules": rules}]}))
-    assert PROMTOOL is not None
-    r = subprocess.run([PROMTOOL, "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([need_tool("promtool"), "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"SUCCESS: {len(rules)} rules found" in r.stdout
 
@@ -298,12 +299,27 @@ def test_service_and_sidecar_names_used_appear_live(th: Any, runbooks: dict[str,
         probes = default_probe_set(size="256x256", steps=4)
         capture_baseline(svc.url, probes, tmp_path / "base")
         reg = CollectorRegistry()
-        prober = Prober(svc.url, registry=reg, baseline_dir=tmp_path / "base", probe_set=probes)
-        assert prober.run_once().status == "ok"
-        prober.metrics.quality_probe_interval_seconds.labels(probes.name).set(60)  # what run_forever exports
-        prober.close()
+        # The prober's own loop, for one cycle: the interval gauge is what run_forever exports after a run.
+        prober = Prober(svc.url, registry=reg, baseline_dir=tmp_path / "base", probe_set=probes, interval_s=60.0)
+        stop = threading.Event()
+        loop = threading.Thread(target=prober.run_forever, args=(stop,), daemon=True)
+        interval = "stepwatch_quality_probe_interval_seconds"
+        try:
+            loop.start()
+            deadline = time.monotonic() + 300
+            while absent(scrape(reg), interval, probe_set=probes.name):
+                assert loop.is_alive(), "the prober's loop died"
+                assert time.monotonic() < deadline, "no probe cycle completed in 300 s"
+                time.sleep(0.2)
+        finally:
+            stop.set()
+            loop.join(timeout=60)
+            prober.close()
+        assert not loop.is_alive()
+        assert prober.last_result is not None and prober.last_result.status == "ok"
+        assert value(scrape(reg), interval, probe_set=probes.name) == 60.0
         # No GPU here: the NVML side reads the fake provider (the one hardware fake allowed).
-        from tests.test_sidecar_nvml import FakeNvml, collector, gpu
+        from tests.fakes import FakeNvml, collector, gpu
 
         collector(reg, FakeNvml([gpu(), gpu()]))
         texts = {"service": svc.get("/metrics")[1], "sidecar": generate_latest(reg).decode()}

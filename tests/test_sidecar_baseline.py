@@ -12,7 +12,7 @@ from stepwatch.exporter.sidecar import baseline as baseline_mod
 from stepwatch.exporter.sidecar.baseline import MANIFEST, BaselineStore, safe_component
 from stepwatch.exporter.sidecar.client import ServiceInfo
 from stepwatch.exporter.sidecar.config import ProbeItem, ProbeSet
-from tests.test_sidecar_standin import image_for
+from tests.fakes import image_for
 
 PS = ProbeSet("tiny", (ProbeItem("000", "a fox", 0, "32x32", 4), ProbeItem("001", "a fox", 1, "32x32", 4),
                        ProbeItem("002", "a clip", 2, "32x16", 4, frames=3)), "lossy_ii")

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,19 +18,11 @@ import yaml
 from stepwatch import cli
 from stepwatch.exporter.sidecar.capture import capture_baseline
 from stepwatch.exporter.sidecar.config import ConfigError, load_config, load_probe_set
-from tests.promtext import samples, value
-from tests.test_sidecar_standin import StandIn
+from tests.fakes import StandIn
+from tests.promtext import absent, samples, value
 
 TINY = {"name": "tiny", "gate": "lossy_ii", "size": "32x32", "steps": 2, "prompts": ["a fox", "a boat"],
         "seeds": [0, 1]}
-
-
-@pytest.fixture
-def standin() -> Iterator[StandIn]:
-    s = StandIn()
-    s.start()
-    yield s
-    s.stop()
 
 
 def write(path: Path, data: object) -> Path:
@@ -135,17 +126,19 @@ def test_sidecar_process_serves_metrics_and_stops_on_sigterm(standin: StandIn, t
                     port = int(m.group(1))
             time.sleep(0.05)
         data: dict = {}
-        while value(data, "stepwatch_quality_probe_runs_total", probe_set="tiny") < 2:
+        runs = ("stepwatch_quality_probe_runs_total", {"probe_set": "tiny"})
+        while absent(data, runs[0], **runs[1]) or value(data, runs[0], **runs[1]) < 2:
             assert time.monotonic() < deadline, "".join(lines)
             data = samples(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
             time.sleep(0.1)
         lab = {"probe_set": "tiny", "instance_id": "standin-0"}
         assert value(data, "stepwatch_quality_psnr_decibels", **lab, quantile="p10") == float("inf")
         assert value(data, "stepwatch_quality_gate_decibels", probe_set="tiny") == 30.0
-        assert ("stepwatch_nvml_up", frozenset()) in data  # 0 here (no NVML), 1 on a GPU node
+        assert not absent(data, "stepwatch_nvml_up")  # 0 here (no NVML), 1 on a GPU node
         # The target dies: the sidecar keeps serving and counts the failure.
         standin.stop()
-        while value(data, "stepwatch_quality_probe_failures_total", probe_set="tiny", reason="connect") < 1:
+        fails = ("stepwatch_quality_probe_failures_total", {"probe_set": "tiny", "reason": "connect"})
+        while absent(data, fails[0], **fails[1]) or value(data, fails[0], **fails[1]) < 1:
             assert time.monotonic() < deadline, "".join(lines)
             data = samples(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
             time.sleep(0.1)

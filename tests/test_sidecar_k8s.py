@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 from pathlib import Path
 from typing import Any
@@ -15,10 +14,11 @@ import yaml
 from stepwatch.alerts.thresholds import load
 from stepwatch.exporter.sidecar import main as sidecar_main
 from stepwatch.exporter.sidecar.config import parse_config
+from stepwatch.service import server as service_server
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 # The service's documented CLI (docs/contracts.md): `stepwatch serve --host 127.0.0.1 --port 8000 --config FILE`,
-# /metrics on the same port.  Read from its parser once stepwatch.service.server exists.
+# /metrics on the same port.  The tests check the real parser (stepwatch.service.server) against it.
 SERVICE_DEFAULT_PORT = 8000
 
 
@@ -33,17 +33,7 @@ def parser_of(add_arguments: Any) -> argparse.ArgumentParser:
 
 
 def service_parser() -> argparse.ArgumentParser:
-    try:
-        mod = importlib.import_module("stepwatch.service.server")
-        return parser_of(mod.add_arguments)
-    except ModuleNotFoundError as e:
-        if e.name not in ("stepwatch.service.server", "stepwatch.service"):
-            raise
-        p = argparse.ArgumentParser()
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=SERVICE_DEFAULT_PORT)
-        p.add_argument("--config")
-        return p
+    return parser_of(service_server.add_arguments)
 
 
 def pod() -> dict[str, Any]:

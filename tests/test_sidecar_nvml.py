@@ -5,86 +5,13 @@ from __future__ import annotations
 import logging
 import sys
 import types
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from stepwatch.exporter.sidecar.nvml import REASON_LABELS, NvmlCollector, PynvmlProvider
+from tests.fakes import GIB, FakeNvml, FakeNvmlError, collector, gpu
 from tests.promtext import scrape, value
-
-GIB = 1024**3
-
-
-class FakeNvmlError(Exception):
-    pass
-
-
-class FakeNvml:
-    """A provider that answers from a table, and fails where told to (per GPU, per field, init, count)."""
-
-    def __init__(self, gpus: list[dict[str, Any]], *, init_error: Exception | None = None,
-                 count_error: Exception | None = None, failing: set[tuple[int, str]] | None = None,
-                 failing_gpus: set[int] | None = None) -> None:
-        self.gpus = gpus
-        self.init_error = init_error
-        self.count_error = count_error
-        self.failing = failing or set()
-        self.failing_gpus = failing_gpus or set()
-        self.inits = 0
-        self.shutdowns = 0
-
-    def init(self) -> None:
-        self.inits += 1
-        if self.init_error is not None:
-            raise self.init_error
-
-    def shutdown(self) -> None:
-        self.shutdowns += 1
-
-    def device_count(self) -> int:
-        if self.count_error is not None:
-            raise self.count_error
-        return len(self.gpus)
-
-    def _get(self, i: int, name: str) -> Any:
-        if i in self.failing_gpus or (i, name) in self.failing:
-            raise FakeNvmlError(f"GPU {i} {name}: GPU is lost")
-        return self.gpus[i][name]
-
-    def memory(self, i: int) -> tuple[int, int]:
-        return self._get(i, "memory")
-
-    def utilization_percent(self, i: int) -> float:
-        return self._get(i, "utilization")
-
-    def sm_clock_mhz(self, i: int) -> float:
-        return self._get(i, "sm_clock")
-
-    def temperature_celsius(self, i: int) -> float:
-        return self._get(i, "temperature")
-
-    def power_milliwatts(self, i: int) -> float:
-        return self._get(i, "power")
-
-    def throttle_reasons(self, i: int) -> int:
-        return self._get(i, "throttle")
-
-    def xid_errors(self, i: int) -> int | None:
-        return self._get(i, "xid")
-
-
-def gpu(**kw: Any) -> dict[str, Any]:
-    d = {"memory": (30 * GIB, 80 * GIB), "utilization": 87, "sm_clock": 1980, "temperature": 71,
-         "power": 312_500, "throttle": 0, "xid": 0}
-    d.update(kw)
-    return d
-
-
-def collector(registry: CollectorRegistry, fake: FakeNvml, **kw: Any) -> NvmlCollector:
-    c = NvmlCollector(fake, **kw)
-    registry.register(c)
-    return c
 
 
 def test_values_map_to_base_units(registry: CollectorRegistry) -> None:

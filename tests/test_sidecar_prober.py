@@ -7,7 +7,6 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +17,11 @@ from stepwatch.alerts.thresholds import load
 from stepwatch.exporter.sidecar.capture import CaptureError, capture_baseline
 from stepwatch.exporter.sidecar.config import DEFAULT_PROMPTS, ProbeSet, default_probe_set, parse_probe_set
 from stepwatch.exporter.sidecar.prober import Prober
-from tests.promtext import scrape, total, value
-from tests.test_sidecar_standin import StandIn
+from tests.fakes import StandIn
+from tests.promtext import absent, scrape, total, value
 
 Q = load().quality
 SMALL = default_probe_set(size="64x64", steps=4)  # the default 20 probes, small images for speed
-
-
-@pytest.fixture
-def standin() -> Iterator[StandIn]:
-    s = StandIn()
-    s.start()
-    yield s
-    s.stop()
 
 
 def make(s: StandIn, registry: CollectorRegistry, base: Path, probe_set: ProbeSet = SMALL, **kw: Any) -> Prober:
@@ -281,17 +272,22 @@ def test_run_forever_stops_promptly(standin: StandIn, registry: CollectorRegistr
     p = make(standin, registry, tmp_path, interval_s=0.05, min_interval_s=0.01)
     stop = threading.Event()
     t = threading.Thread(target=p.run_forever, args=(stop,))
-    t.start()
-    deadline = time.monotonic() + 10
-    while value(scrape(registry), "stepwatch_quality_probe_runs_total", probe_set="default") < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    stop.set()
-    t.join(timeout=5)
-    assert not t.is_alive()
-    # The cadence in force is exported for the "no success for 3 intervals" alert.
-    assert value(scrape(registry), "stepwatch_quality_probe_interval_seconds", probe_set="default") == 0.05
-    p.close()
+    try:
+        t.start()
+        deadline = time.monotonic() + 10
+        runs = "stepwatch_quality_probe_runs_total"
+        while absent(d := scrape(registry), runs, probe_set="default") or value(d, runs, probe_set="default") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        stop.set()
+        t.join(timeout=5)
+        assert not t.is_alive()
+        # The cadence in force is exported for the "no success for 3 intervals" alert.
+        assert value(scrape(registry), "stepwatch_quality_probe_interval_seconds", probe_set="default") == 0.05
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        p.close()
 
 
 def test_capture_refuses_a_nondeterministic_or_unready_service(standin: StandIn, tmp_path: Path) -> None:

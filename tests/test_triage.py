@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ from stepwatch.runbooks.parse import CAUSES, load_all
 from stepwatch.triage import render
 from stepwatch.triage.cli_run import parse_time
 from stepwatch.triage.engine import Alert, Engine, alerts_from_webhook, mitigation_for, triage, webhook_payload
+from tests.servicefixture import free_port
 
 TH = load()
 
@@ -178,14 +178,8 @@ def test_unknown_alert_and_all_clear() -> None:
     assert clear.status == "all_clear" and render.terminal(clear).startswith("ALL CLEAR")
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_prometheus_down_could_not_check() -> None:
-    url = f"http://127.0.0.1:{_closed_port()}"
+    url = f"http://127.0.0.1:{free_port()}"  # free: nothing listens there
     skew = _alert("rank_skew", instance="127.0.0.1:8000", rank="1")
     report = triage([skew], url, thresholds=TH)
     assert report.status == "could_not_check" and report.prometheus_error
@@ -199,7 +193,7 @@ def test_prometheus_down_could_not_check() -> None:
 
 @pytest.mark.parametrize("fmt", ["terminal", "json"])
 def test_cli_run_prometheus_down_exits_3_without_traceback(fmt: str) -> None:
-    url = f"http://127.0.0.1:{_closed_port()}"
+    url = f"http://127.0.0.1:{free_port()}"  # free: nothing listens there
     r = subprocess.run([sys.executable, "-m", "stepwatch.cli", "triage", "run", "--prometheus", url, "--format", fmt],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 3, r.stdout + r.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -24,10 +23,11 @@ import pytest
 from stepwatch.triage.cli_serve import TriageServer
 from stepwatch.triage.engine import triage, webhook_payload
 from stepwatch.triage.replay import Replay
+from tests.servicefixture import free_port
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "triage" / "scenarios"
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
-                                reason="prometheus / promtool not installed")
+# Skipped when missing, failed under STEPWATCH_REQUIRE_TOOLS=1 (./dev test, CI): see tests/conftest.py.
+pytestmark = [pytest.mark.needs_tool("prometheus"), pytest.mark.needs_tool("promtool")]
 
 
 @pytest.fixture(scope="module")
@@ -191,12 +191,10 @@ def test_serve_writes_the_report_within_5s_of_the_webhook(replays: dict[str, Rep
         sink.httpd.shutdown()
 
 
-@pytest.mark.skipif(shutil.which("prometheus-alertmanager") is None and shutil.which("alertmanager") is None,
-                    reason="alertmanager not installed")
+@pytest.mark.needs_tool("prometheus-alertmanager", "alertmanager")
 def test_real_alertmanager_notifies_serve(replays: dict[str, Replay], tmp_path: Path) -> None:
     """Alertmanager (drill routing, one notification per alert) -> triage serve -> one incident for both OOM alerts."""
     from stepwatch.alerts import stack
-    from stepwatch.triage.replay import free_port
 
     rp = replays["vae-tiling-oom-1"]
     server = TriageServer(rp.url, tmp_path / "out", port=0, at=rp.evaluated_at).start()

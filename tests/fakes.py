@@ -1,0 +1,271 @@
+"""Fakes and stand-ins the tests share (a non-test module: nothing here is collected).
+
+* ``StandIn``: a stand-in for the practice service's HTTP API, for the sidecar's tests.  It implements the
+  documented shape of ``POST /v1/images/generations`` and ``GET /v1/stepwatch/info`` with deterministic PNGs
+  per (prompt, seed, size, steps), plus switches that perturb images, change the fingerprint, slow or break
+  the answers.  The real service's end-to-end tests replace it.  Its own checks are in
+  test_sidecar_standin.py.
+* ``FakeNvml``: an NVML provider answering from a table (the one hardware fake allowed: no GPU here).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from prometheus_client import CollectorRegistry
+
+from stepwatch.exporter.sidecar.nvml import NvmlCollector
+
+
+def image_for(prompt: str, seed: int, width: int, height: int, steps: int, frame: int = 0) -> np.ndarray:
+    """A smooth deterministic RGB image (what a deterministic service returns for a seed)."""
+    key = hashlib.sha256(f"{prompt}|{seed}|{width}x{height}|{steps}".encode()).digest()
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    coarse = rng.uniform(0, 255, size=(8, 8, 3))
+    ys = np.linspace(0, 7, height)
+    xs = np.linspace(0, 7, width)
+    yi, xi = np.clip(ys.astype(int), 0, 6), np.clip(xs.astype(int), 0, 6)
+    fy, fx = (ys - yi)[:, None, None], (xs - xi)[None, :, None]
+    c = coarse
+    img = ((1 - fy) * (1 - fx) * c[yi][:, xi] + (1 - fy) * fx * c[yi][:, xi + 1]
+           + fy * (1 - fx) * c[yi + 1][:, xi] + fy * fx * c[yi + 1][:, xi + 1])
+    img = img + 6.0 * frame
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def perturb(img: np.ndarray, sigma: float, seed: int) -> np.ndarray:
+    noise = np.random.default_rng(seed + 1_000_003).normal(0, sigma, size=img.shape)
+    return np.clip(img.astype(np.float64) + noise, 0, 255).astype(np.uint8)
+
+
+def png(img: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@dataclass
+class StandIn:
+    """Switches: ``sigma`` (noise on perturbed probes), ``perturb_seeds`` / ``perturb_prompts`` /
+    ``perturb_instances`` (None = all),
+    ``perturb_frames``, ``fingerprint``, ``delay_s``, ``fail_code``, ``garbage``, ``die_after`` (answer that
+    many more generations, then drop the connection and stop, like a killed process), ``instances`` (answers
+    rotate over them), ``response_fingerprints`` (instance -> fingerprint_id in answers), ``ready``."""
+
+    fingerprint: dict[str, Any] = field(default_factory=lambda: {
+        "model": "standin-flux-tiny", "torch": "2.13.0", "diffusers": "0.42.1", "transformers": "4.57",
+        "dtype": "float32", "compile": "off", "ranks": 1, "device": "cpu"})
+    instances: tuple[str, ...] = ("standin-0",)
+    seconds_per_image: float = 0.01
+    sigma: float = 0.0
+    perturb_seeds: set[int] | None = None
+    perturb_prompts: set[str] | None = None
+    perturb_instances: set[str] | None = None
+    perturb_frames: set[int] | None = None
+    delay_s: float = 0.0
+    fail_code: int | None = None
+    garbage: bool = False
+    die_after: int | None = None
+    ready: bool = True
+    response_fingerprints: dict[str, str] = field(default_factory=dict)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._server: ThreadingHTTPServer | None = None
+        self._n = 0
+        self._lock = threading.Lock()
+
+    @property
+    def fingerprint_id(self) -> str:
+        canon = json.dumps(self.fingerprint, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    def info(self) -> dict[str, Any]:
+        return {"instance_id": self.instances[0], "fingerprint": self.fingerprint,
+                "fingerprint_id": self.fingerprint_id, "knobs": {"cache": "none"}, "ready": self.ready,
+                "pools": {"default": {}}}
+
+    def generate(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if not isinstance(body.get("prompt"), str):
+            return 400, {"error": {"message": "prompt is required", "type": "invalid_request_error", "code": 400}}
+        try:
+            w, h = (int(x) for x in str(body.get("size", "256x256")).split("x"))
+        except ValueError:
+            return 400, {"error": {"message": "size must be WxH", "type": "invalid_request_error", "code": 400}}
+        if w % 16 or h % 16:
+            return 400, {"error": {"message": "size must be multiples of 16", "type": "invalid_request_error",
+                                   "code": 400}}
+        with self._lock:
+            inst = self.instances[self._n % len(self.instances)]
+            self._n += 1
+            self.requests.append(body)
+        seed, steps = int(body.get("seed", 0)), int(body.get("steps", 8))
+        frames = int(body.get("frames", 1) or 1)
+        hit = ((self.perturb_seeds is None or seed in self.perturb_seeds)
+               and (self.perturb_prompts is None or body["prompt"] in self.perturb_prompts)
+               and (self.perturb_instances is None or inst in self.perturb_instances))
+        data = []
+        for f in range(frames):
+            img = image_for(body["prompt"], seed, w, h, steps, f)
+            if self.sigma > 0 and hit and (self.perturb_frames is None or f in self.perturb_frames):
+                img = perturb(img, self.sigma, seed * 1000 + f)
+            data.append({"b64_json": "not base64!" if self.garbage else base64.b64encode(png(img)).decode()})
+        shape = f"{h}x{w}" + (f"x{frames}" if frames > 1 else "") + f"_{steps}s"
+        return 200, {"created": int(time.time()), "data": data, "stepwatch": {
+            "shape": shape, "pool": "default", "queue_seconds": 0.0, "seconds": self.seconds_per_image,
+            "stages": {}, "steps": steps, "cache": {"kind": "none", "hits": 0, "misses": steps},
+            "instance_id": inst, "fingerprint_id": self.response_fingerprints.get(inst, self.fingerprint_id)}}
+
+    # --- server ----------------------------------------------------------------------------
+
+    def start(self) -> str:
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, code: int, obj: Any) -> None:
+                raw = json.dumps(obj).encode()
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def do_GET(self) -> None:
+                if self.path == "/v1/stepwatch/info":
+                    self._send(200, standin.info())
+                elif self.path in ("/healthz", "/readyz"):
+                    self._send(200 if standin.ready or self.path == "/healthz" else 503, {})
+                else:
+                    self._send(404, {"error": {"message": "not found", "type": "not_found", "code": 404}})
+
+            def do_POST(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                try:
+                    body = json.loads(self.rfile.read(n) or b"{}")
+                except ValueError:
+                    self._send(400, {"error": {"message": "bad JSON", "type": "invalid_request_error",
+                                               "code": 400}})
+                    return
+                if self.path != "/v1/images/generations":
+                    self._send(404, {"error": {"message": "not found", "type": "not_found", "code": 404}})
+                    return
+                if standin.die_after is not None:
+                    if standin.die_after <= 0:
+                        self.close_connection = True
+                        threading.Thread(target=standin.stop).start()
+                        return
+                    standin.die_after -= 1
+                if standin.delay_s:
+                    time.sleep(standin.delay_s)
+                if standin.fail_code:
+                    self._send(standin.fail_code, {"error": {"message": "injected", "type": "server_error",
+                                                             "code": standin.fail_code}})
+                    return
+                self._send(*standin.generate(body))
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self.url
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+# --- NVML ------------------------------------------------------------------------------------
+
+GIB = 1024**3
+
+
+class FakeNvmlError(Exception):
+    pass
+
+
+class FakeNvml:
+    """A provider that answers from a table, and fails where told to (per GPU, per field, init, count)."""
+
+    def __init__(self, gpus: list[dict[str, Any]], *, init_error: Exception | None = None,
+                 count_error: Exception | None = None, failing: set[tuple[int, str]] | None = None,
+                 failing_gpus: set[int] | None = None) -> None:
+        self.gpus = gpus
+        self.init_error = init_error
+        self.count_error = count_error
+        self.failing = failing or set()
+        self.failing_gpus = failing_gpus or set()
+        self.inits = 0
+        self.shutdowns = 0
+
+    def init(self) -> None:
+        self.inits += 1
+        if self.init_error is not None:
+            raise self.init_error
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+    def device_count(self) -> int:
+        if self.count_error is not None:
+            raise self.count_error
+        return len(self.gpus)
+
+    def _get(self, i: int, name: str) -> Any:
+        if i in self.failing_gpus or (i, name) in self.failing:
+            raise FakeNvmlError(f"GPU {i} {name}: GPU is lost")
+        return self.gpus[i][name]
+
+    def memory(self, i: int) -> tuple[int, int]:
+        return self._get(i, "memory")
+
+    def utilization_percent(self, i: int) -> float:
+        return self._get(i, "utilization")
+
+    def sm_clock_mhz(self, i: int) -> float:
+        return self._get(i, "sm_clock")
+
+    def temperature_celsius(self, i: int) -> float:
+        return self._get(i, "temperature")
+
+    def power_milliwatts(self, i: int) -> float:
+        return self._get(i, "power")
+
+    def throttle_reasons(self, i: int) -> int:
+        return self._get(i, "throttle")
+
+    def xid_errors(self, i: int) -> int | None:
+        return self._get(i, "xid")
+
+
+def gpu(**kw: Any) -> dict[str, Any]:
+    d = {"memory": (30 * GIB, 80 * GIB), "utilization": 87, "sm_clock": 1980, "temperature": 71,
+         "power": 312_500, "throttle": 0, "xid": 0}
+    d.update(kw)
+    return d
+
+
+def collector(registry: CollectorRegistry, fake: FakeNvml, **kw: Any) -> NvmlCollector:
+    c = NvmlCollector(fake, **kw)
+    registry.register(c)
+    return c
