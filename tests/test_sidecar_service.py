@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from stepwatch import cli
 from stepwatch.alerts.thresholds import load
 from stepwatch.exporter.sidecar.capture import capture_baseline
-from stepwatch.exporter.sidecar.config import default_probe_set
+from stepwatch.exporter.sidecar.config import default_probe_set, parse_probe_set
 from stepwatch.exporter.sidecar.prober import Prober
 from tests.promtext import scrape, total, value
 from tests.servicefixture import ServiceProc
@@ -88,19 +89,74 @@ def test_service_killed_mid_probe_sidecar_survives(tmp_path: Path) -> None:
     capture_baseline(s.url, PROBES, tmp_path / "base")
     registry = CollectorRegistry()
     p = Prober(s.url, registry=registry, baseline_dir=tmp_path / "base", probe_set=PROBES, timeout_s=5)
-    killer = threading.Timer(0.3, s.close)
+    served0 = total(s.metrics(), "stepwatch_service_requests_total", code="200")
+
+    def kill_after_three() -> None:  # mid-set: after the service has answered three probes of the run
+        deadline = time.time() + 60
+        while time.time() < deadline and total(s.metrics(), "stepwatch_service_requests_total",
+                                               code="200") < served0 + 3:
+            time.sleep(0.05)
+        s.close()
+
+    killer = threading.Thread(target=kill_after_three, daemon=True)
     try:
         killer.start()
         res = p.run_once()  # the service goes away part-way through the set
-        assert res.status in ("partial", "failed")
+        assert res.status == "partial", res
+        assert 3 <= len(res.scored) < 20
+        # The probe in flight may get the shutting-down service's 503; the first refused connection ends the set.
+        assert res.failures.get("connect") == 1 and set(res.failures) <= {"connect", "http_503"}, res.failures
         d = scrape(registry)
-        assert total(d, "stepwatch_quality_probe_failures_total") >= 1
+        assert total(d, "stepwatch_quality_probe_failures_total") == sum(res.failures.values())
         t = time.time()
         res2 = p.run_once()  # the target is down: counted, bounded, no exception
         assert res2.status == "failed" and time.time() - t < 30
         d2 = scrape(registry)
         assert total(d2, "stepwatch_quality_probe_failures_total", reason="connect") >= 1
     finally:
-        killer.cancel()
+        killer.join(timeout=70)
         s.close()
         p.close()
+
+
+@pytest.mark.heavy
+def test_capture_cli_timeouts_and_a_real_507(svc: ServiceProc, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """What the stand-in tests cover, against the real service: the capture command, timeouts, an HTTP error."""
+    import yaml
+
+    two = {"name": "two", "gate": "lossy_ii", "size": "256x256", "steps": 4, "prompts": ["a fox"], "seeds": [0, 1]}
+    ps_path = tmp_path / "two.yaml"
+    ps_path.write_text(yaml.safe_dump(two))
+    rc = cli.main(["baseline", "capture", "--target", svc.url, "--out", str(tmp_path / "b"),
+                   "--probe-set", str(ps_path)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    fid = svc.get("/v1/stepwatch/info")[1]["fingerprint_id"]
+    assert f"stored 2 probes for fingerprint {fid}" in out.out
+    assert (tmp_path / "b" / "two" / fid / "manifest.json").is_file()
+
+    registry = CollectorRegistry()
+    p = Prober(svc.url, registry=registry, baseline_dir=tmp_path / "b", probe_set=parse_probe_set(two),
+               timeout_s=0.005)  # far below a real 256^2 x 4 request
+    try:
+        res = p.run_once()
+        assert res.status == "failed" and res.failures == {"timeout": 2}
+        assert value(scrape(registry), "stepwatch_quality_probe_failures_total", probe_set="two",
+                     reason="timeout") == 2
+    finally:
+        p.close()
+
+    # Untiled 2048^2 runs out of memory in the real worker: the capture fails with the 507 and stores nothing.
+    st, body, _ = svc.knobs(vae_tiling=False)
+    assert st == 200, body
+    try:
+        big = tmp_path / "big.yaml"
+        big.write_text(yaml.safe_dump({**two, "name": "big", "size": "2048x2048", "steps": 1}))
+        rc = cli.main(["baseline", "capture", "--target", svc.url, "--out", str(tmp_path / "b"),
+                       "--probe-set", str(big)])
+        err = capsys.readouterr().err
+        assert rc == 1 and "HTTP 507" in err and "out of memory in vae_decode" in err, err
+        assert not (tmp_path / "b" / "big").exists()
+    finally:
+        svc.knobs(vae_tiling=True)
