@@ -26,6 +26,7 @@ import traceback
 from typing import Any
 
 log = logging.getLogger("stepwatch.service.worker")
+TRIM_SLACK_BYTES = 64 << 20  # above the warm RSS by this much after a request: return freed heap to the OS
 
 
 def _malloc_trim() -> None:
@@ -88,6 +89,7 @@ class Worker:
         self.compile_active = False
         self.budget = Budget(int(self.cfg.memory_budget_mb * 2**20) if self.cfg.memory_budget_mb else None)
         self.metrics_port = 0
+        self.rss_warm = 0  # resident bytes after warm-up (set by setup)
         self.rank_delays: dict[int, float] = {}
         self._weights = ""
 
@@ -126,6 +128,8 @@ class Worker:
         if self.budget.limit is not None:
             self.budget.install_compile_hooks()
         self.inst.refresh_capacity()
+        _malloc_trim()
+        self.rss_warm = _vm().get("VmRSS", 0)
         return {"setup_seconds": time.perf_counter() - t0, "warmup": warm}
 
     def warmup(self) -> list[dict[str, Any]]:
@@ -293,12 +297,18 @@ class Worker:
             Image.fromarray(u8).save(buf, format="PNG", compress_level=1)
             pngs.append(buf.getvalue())
         rep = self.inst.last_report
+        rss = _vm().get("VmRSS", 0)
+        if rss > self.rss_warm + TRIM_SLACK_BYTES:
+            # A large request's freed heap goes back to the OS (glibc keeps it otherwise): the worker stays
+            # near its warm size, so its resident memory tracks what it holds, not what it once needed.
+            _malloc_trim()
+            rss = _vm().get("VmRSS", 0)
         return {
             "op": "result", "id": msg["id"], "images": pngs, "seconds": seconds, "nonfinite": nonfinite,
             "shape": str(rep.shape) if rep and rep.shape else req.shape,
             "stages": dict(rep.stages) if rep else {}, "steps": len(rep.step_seconds) if rep else req.steps,
             "cache": {"kind": rep.cache, "hits": rep.hits, "misses": rep.misses} if rep else None,
-            "compiles": len(rep.compiles) if rep else 0, "rss_bytes": _vm().get("VmRSS", 0),
+            "compiles": len(rep.compiles) if rep else 0, "rss_bytes": rss,
             "ranks": {"step_seconds": rep.extra.get("rank_step_seconds"), "skew": rep.extra.get("rank_skew")}
             if rep and "rank_skew" in rep.extra else None,
         }
