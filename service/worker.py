@@ -26,7 +26,7 @@ import traceback
 from typing import Any
 
 log = logging.getLogger("stepwatch.service.worker")
-TRIM_SLACK_BYTES = 64 << 20  # above the warm RSS by this much after a request: return freed heap to the OS
+TRIM_SLACK_BYTES = 64 << 20  # above the last trimmed RSS by this much after a request: return freed heap
 
 
 def _malloc_trim() -> None:
@@ -89,7 +89,7 @@ class Worker:
         self.compile_active = False
         self.budget = Budget(int(self.cfg.memory_budget_mb * 2**20) if self.cfg.memory_budget_mb else None)
         self.metrics_port = 0
-        self.rss_warm = 0  # resident bytes after warm-up (set by setup)
+        self.rss_floor = 0  # resident bytes after warm-up or the last trim
         self.rank_delays: dict[int, float] = {}
         self._weights = ""
 
@@ -129,7 +129,7 @@ class Worker:
             self.budget.install_compile_hooks()
         self.inst.refresh_capacity()
         _malloc_trim()
-        self.rss_warm = _vm().get("VmRSS", 0)
+        self.rss_floor = _vm().get("VmRSS", 0)
         return {"setup_seconds": time.perf_counter() - t0, "warmup": warm}
 
     def warmup(self) -> list[dict[str, Any]]:
@@ -298,11 +298,13 @@ class Worker:
             pngs.append(buf.getvalue())
         rep = self.inst.last_report
         rss = _vm().get("VmRSS", 0)
-        if rss > self.rss_warm + TRIM_SLACK_BYTES:
-            # A large request's freed heap goes back to the OS (glibc keeps it otherwise): the worker stays
-            # near its warm size, so its resident memory tracks what it holds, not what it once needed.
+        if rss > self.rss_floor + TRIM_SLACK_BYTES:
+            # A request larger than the usual left freed heap that glibc keeps: give it back, so resident
+            # memory tracks what the worker holds.  Steady traffic reuses its heap and stays under the floor
+            # plus the slack: no trim (it costs tens of ms).
             _malloc_trim()
             rss = _vm().get("VmRSS", 0)
+            self.rss_floor = rss
         return {
             "op": "result", "id": msg["id"], "images": pngs, "seconds": seconds, "nonfinite": nonfinite,
             "shape": str(rep.shape) if rep and rep.shape else req.shape,
