@@ -354,6 +354,14 @@ def _service_requests(stack: LocalStack) -> float:
     return stack.prom.value("sum(stepwatch_service_requests_total)") or 0.0
 
 
+def _attempt(r: DrillResult, what: str, fn: Callable[[], None]) -> None:
+    """Run one phase of a drill; a failure is recorded on the report, never raised (later phases still run)."""
+    try:
+        fn()
+    except Exception as e:
+        r.failures.append(f"{what} failed: {type(e).__name__}: {e}")
+
+
 class Runner:
     """Runs drills on a stack and watches Prometheus, Alertmanager's webhook and the service."""
 
@@ -441,10 +449,7 @@ class Runner:
             # Once the fault may be in, it comes out whatever happens next (a Prometheus error, a failed
             # check, Ctrl-C or SIGTERM): restore runs exactly once, in the finally.
             try:
-                try:
-                    drill.inject(st, r)
-                except Exception as e:
-                    r.failures.append(f"injection failed: {type(e).__name__}: {e}")
+                _attempt(r, "injection", lambda: drill.inject(st, r))
                 deadline = r.injected_at + DETECT_DEADLINE_S
                 while time.time() < deadline:
                     try:
@@ -476,19 +481,13 @@ class Runner:
                                 r.triage_cause = verdict.get("cause")
                         except Exception as e:
                             r.notes.append(f"triage failed: {type(e).__name__}: {e}")
-                    try:
-                        drill.while_firing(st, r)
-                    except Exception as e:
-                        r.failures.append(f"check while firing failed: {type(e).__name__}: {e}")
+                    _attempt(r, "check while firing", lambda: drill.while_firing(st, r))
                 seen |= self._firing_names(r)
                 healthy_during = healthy_during and st.healthy()
             finally:
                 r.restored_at = time.time()
                 self.progress(f"[{drill.name}] restoring")
-                try:
-                    drill.restore(st, r)
-                except Exception as e:
-                    r.failures.append(f"restore failed: {type(e).__name__}: {e}")
+                _attempt(r, "restore", lambda: drill.restore(st, r))
             deadline = r.restored_at + RESOLVE_DEADLINE_S
             while time.time() < deadline:
                 firing = self._try_firing(r)
@@ -501,10 +500,7 @@ class Runner:
                     r.time_to_resolve_s = time.time() - r.restored_at
                     break
                 time.sleep(2.0)
-            try:
-                drill.after(st, r)
-            except Exception as e:
-                r.failures.append(f"check after restore failed: {type(e).__name__}: {e}")
+            _attempt(r, "check after restore", lambda: drill.after(st, r))
             r.details["baseline_traffic_codes"] = {str(k): v for k, v in sorted(traffic.codes.items())}
         r.checks["healthy_during"] = healthy_during
         r.checks["healthy_after"] = st.healthy()
