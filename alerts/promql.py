@@ -1,12 +1,143 @@
-"""Read the series names out of a PromQL expression (no full parser: enough to check names).
+"""stepwatch's PromQL vocabulary, and reading series names back out of an expression.
 
-Used by the tests, and by anything that wants to prove a query reads only series that
-stepwatch emits.  Syntax errors are promtool's job (``promtool check rules``).
+Every query stepwatch writes (recording and alerting rules, dashboard panels, the board's
+alert summaries, the drills' checks) is built from the words below, so one idea (the mean
+step time, a zero-filled ratio, "events including counters born at 1") has one spelling.
+A window is a Prometheus duration (``1m``) or a Grafana variable (``$__rate_interval``);
+``by`` is a label list (``"job, shape"``), or ``""`` for one total.
+
+The second half reads series names out of an expression (no full parser: enough to check
+names against the catalog).  Syntax errors are promtool's job (``promtool check rules``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stepwatch.alerts.thresholds import AlertSpec, Thresholds
+
+STEP_TIME = "stepwatch_pipeline_step_duration_seconds"
+CACHE_DECISIONS = "stepwatch_cache_decisions_total"
+
+
+def num(x: float) -> str:
+    """A number as PromQL / prose text: 1.2, 0.3, 0, 1e+15 (never 1.2000000000000002)."""
+    return format(float(x), ".12g")
+
+
+def pct(x: float) -> str:
+    """A ratio as a percentage for titles: 0.9 -> 90%."""
+    return num(round(x * 100, 6)) + "%"
+
+
+def sel(metric: str, *matchers: str) -> str:
+    """``metric{m1, m2}``, or the bare name without matchers."""
+    return f"{metric}{{{', '.join(matchers)}}}" if matchers else metric
+
+
+def _sum(by: str, inner: str) -> str:
+    return f"sum by ({by}) ({inner})" if by else f"sum({inner})"
+
+
+def sum_rate(selector: str, window: str, by: str = "") -> str:
+    """Per-second rate of a counter, summed over ``by``."""
+    return _sum(by, f"rate({selector}[{window}])")
+
+
+def sum_increase(selector: str, window: str, by: str = "") -> str:
+    """Increase of a counter over the window, summed over ``by``."""
+    return _sum(by, f"increase({selector}[{window}])")
+
+
+def ratio_of_rates(num_sel: str, den_sel: str, window: str, by: str = "", *, zero_fill: bool = False) -> str:
+    """sum(rate(num)) / sum(rate(den)) per ``by``: a mean over the window, never an average of ratios.
+
+    ``zero_fill``: a ratio whose numerator has no series yet (no hit, no 5xx so far) reads 0,
+    not "no data", as long as the denominator exists.
+    """
+    top, bottom = sum_rate(num_sel, window, by), sum_rate(den_sel, window, by)
+    if zero_fill:
+        top = f"(\n    {top}\n  or\n    {bottom} * 0\n  )"
+    return f"  {top}\n/\n  {bottom}"
+
+
+def mean_step_time(window: str, by: str = "", *matchers: str) -> str:
+    """Mean seconds per denoising step: step time summed / steps counted."""
+    return ratio_of_rates(sel(f"{STEP_TIME}_sum", *matchers), sel(f"{STEP_TIME}_count", *matchers), window, by)
+
+
+def cache_hit_ratio(window: str, by: str = "", *matchers: str) -> str:
+    """Cross-step cache hits / all cache decisions, 0 when the cache never hit."""
+    return ratio_of_rates(sel(CACHE_DECISIONS, *matchers, 'decision="hit"'), sel(CACHE_DECISIONS, *matchers),
+                          window, by, zero_fill=True)
+
+
+def events(selector: str, window: str, threshold: float = 0.0, by: str | None = None) -> str:
+    """The counter increased in the window, or a new label set appeared (born at >= 1) in it.
+
+    Counters like ``stepwatch_oom_total{shape,stage}`` are born at 1 on their first event,
+    which ``increase()`` alone never shows.  The second arm needs the job to have been
+    scraped one window ago, so a restarted Prometheus (no history) does not mistake every
+    old counter for a new one.  With ``by``, both arms are summed to those labels (panels);
+    without, each series stands alone (alerts keep every label for routing and triage).
+    """
+    t = num(threshold)
+    if by is None:
+        grew = f"increase({selector}[{window}]) > {t}"
+        born = f"({selector} > {t} unless {selector} offset {window})"
+    else:
+        grew = f"{sum_increase(selector, window, by)} > {t}"
+        born = _sum(by, f"{selector} unless {selector} offset {window}")
+    return (f"  {grew}\n"
+            f"or\n"
+            f"  (\n"
+            f"      {born}\n"
+            f"    and on (job)\n"
+            f"      count by (job) (up offset {window})\n"
+            f"  )")
+
+
+def quantile(q: float, bucket_sel: str, window: str, by: str = "") -> str:
+    """The q-quantile of a histogram over the window, per ``by`` (``le`` is added)."""
+    return f"histogram_quantile({num(q)}, sum by ({by + ', ' if by else ''}le) (rate({bucket_sel}[{window}])))"
+
+
+def above_bucket(histogram: str, le: str, window: str, by: str, *matchers: str) -> str:
+    """Observations above bucket bound ``le`` in the window: count - bucket{le}."""
+    count = sum_increase(sel(f"{histogram}_count", *matchers), window, by)
+    below = sum_increase(sel(f"{histogram}_bucket", *matchers, f'le="{le}"'), window, by)
+    return f"  {count}\n-\n  {below}"
+
+
+# ----- alert text: the placeholders of summaries and descriptions -----------------------------
+
+def text_values(th: Thresholds, spec: AlertSpec, profile: str) -> dict[str, str]:
+    """Values of the ${...} placeholders in an alert's summary and description."""
+    return {
+        "threshold": num(spec.threshold),
+        "threshold_pct": num(round(spec.threshold * 100, 6)),
+        "upper": num(round(1 + spec.threshold, 9)),
+        "lower": num(round(1 - spec.threshold, 9)),
+        "for": spec.for_[profile],
+        "window": spec.window.get(profile, th.profiles[profile].rate_window),
+    }
+
+
+def fill(text: str, values: Mapping[str, str]) -> str:
+    for k, v in values.items():
+        text = text.replace("${" + k + "}", v)
+    return text
+
+
+def summary(th: Thresholds, spec: AlertSpec, profile: str = "production") -> str:
+    """The alert's summary as the rules and the board both show it."""
+    return fill(spec.summary, text_values(th, spec, profile))
+
+
+# ----- reading names back ---------------------------------------------------------------------
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _BRACES = re.compile(r"\{[^{}]*\}")
