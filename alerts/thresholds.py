@@ -18,6 +18,10 @@ PROFILES = ("production", "drill")
 SEVERITIES = ("critical", "warning", "info")
 # Every alert name starts with this; the runbook file is the rest in kebab-case.
 ALERT_PREFIX = "Stepwatch"
+# The subsystems alerts belong to, in the order an on-call engineer reads them (what users see first,
+# then the pipeline behind it, the output, and the monitoring itself): alert modules, board rows and
+# the rule files all follow it.
+SUBSYSTEMS = ("service", "pipeline", "quality", "monitoring")
 SUBSYSTEMS = ("pipeline", "service", "quality", "monitoring")
 # ${...} placeholders a summary or description may use (filled per profile by the generator).
 TEXT_PLACEHOLDERS = ("threshold", "threshold_pct", "upper", "lower", "for", "window")
