@@ -112,6 +112,11 @@ def above_bucket(histogram: str, le: str, window: str, by: str, *matchers: str) 
     return f"  {count}\n-\n  {below}"
 
 
+def agg(op: str, selector: str, by: str = "") -> str:
+    """An instant aggregation (``min``, ``max``, ``sum``, ...) of a selector, per ``by``: a gauge's one number."""
+    return f"{op} by ({by}) ({selector})" if by else f"{op}({selector})"
+
+
 # ----- alert text: the placeholders of summaries and descriptions -----------------------------
 
 def text_values(th: Thresholds, spec: AlertSpec, profile: str) -> dict[str, str]:
