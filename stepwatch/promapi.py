@@ -1,8 +1,10 @@
-"""A small client for the Prometheus and Alertmanager HTTP APIs (stdlib only).
+"""A small client for the Prometheus and Alertmanager HTTP APIs, on the project's one HTTP client.
 
 Used by the drills (watch alerts), the triage agent (run runbook checks) and
 the dashboard proof (run every panel query).  Errors are PromError with the
-server's message, never a bare HTTP exception.
+server's message, never a bare HTTP exception.  Each Prometheus or
+Alertmanager object holds one keep-alive client (``stepwatch.httpclient``), so
+a test can run it in-process with ``httpclient.use_transport``.
 """
 
 from __future__ import annotations
@@ -10,13 +12,16 @@ from __future__ import annotations
 import json
 import math
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+import httpx
+
+from stepwatch import httpclient
+
+_A = TypeVar("_A", bound="_Api")
 
 
 class PromError(RuntimeError):
@@ -45,34 +50,60 @@ def _shape(where: str) -> Iterator[None]:
         raise _not_api(where, f"{type(e).__name__}: {e}") from None
 
 
-def _get(url: str, timeout: float) -> Any:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        try:
-            body = json.loads(e.read())
-            msg = body.get("error") or body
-        except Exception:
-            msg = e.reason
-        raise PromError(f"{url.split('?')[0]}: HTTP {e.code}: {msg}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise PromError(f"{url.split('?')[0]}: {getattr(e, 'reason', e)}") from None
-    try:
-        return json.loads(raw)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError: an HTML page, a truncated body
-        text = raw[:80].decode(errors="replace").strip()
-        raise _not_api(url.split("?")[0], f"{type(e).__name__}: {e} ({text!r})") from None
+class _Api:
+    """One keep-alive client to one server (closed by ``close`` or ``with``); every answer is JSON or a PromError."""
 
-
-class Prometheus:
     def __init__(self, url: str, timeout: float = 10.0) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        # Redirects followed, as urllib did: a server behind a path-rewriting proxy still answers.
+        self._client = httpclient.client(timeout=timeout, follow_redirects=True)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self: _A) -> _A:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def ready(self) -> bool:
+        """True when ``/-/ready`` answers 200; any failure is just 'not yet'."""
+        try:
+            return self._client.get(f"{self.url}/-/ready", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def get(self, url: str, params: dict[str, Any] | None = None) -> Any:
+        """GET ``url`` and decode its JSON; HTTP, connection and decoding failures are PromError."""
+        try:
+            r = self._client.get(url, params=params)
+        except httpx.HTTPError as e:
+            raise PromError(f"{url}: {str(e) or type(e).__name__}") from None
+        if r.status_code >= 400:
+            raise PromError(f"{url}: HTTP {r.status_code}: {_error_message(r)}")
+        try:
+            return json.loads(r.content)
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError: an HTML page, a truncated body
+            text = r.content[:80].decode(errors="replace").strip()
+            raise _not_api(url, f"{type(e).__name__}: {e} ({text!r})") from None
+
+
+def _error_message(r: httpx.Response) -> Any:
+    """Prometheus' ``error`` field of an error answer, else the status' reason phrase."""
+    try:
+        body = json.loads(r.content)
+        return body.get("error") or body
+    except Exception:
+        return r.reason_phrase
+
+
+class Prometheus(_Api):
+    """Prometheus' HTTP API (``/api/v1``): queries, alerts, rules, targets, series."""
 
     def _api(self, path: str, params: dict[str, Any] | None = None) -> Any:
-        q = ("?" + urllib.parse.urlencode(params)) if params else ""
-        body = _get(f"{self.url}/api/v1/{path}{q}", self.timeout)
+        body = self.get(f"{self.url}/api/v1/{path}", params)
         if not isinstance(body, dict) or "status" not in body:
             raise _not_api(f"{self.url}/api/v1/{path}", f"expected an object with 'status', got {_brief(body)}")
         if body.get("status") != "success":
@@ -80,9 +111,6 @@ class Prometheus:
         if "data" not in body:
             raise _not_api(f"{self.url}/api/v1/{path}", "'status' is success but there is no 'data'")
         return body["data"]
-
-    def ready(self) -> bool:
-        return _ready(self.url)
 
     def query(self, expr: str, at: float | None = None) -> list[Sample]:
         params: dict[str, Any] = {"query": expr}
@@ -156,17 +184,12 @@ class Prometheus:
         raise PromError(f"targets not up after {timeout:.0f}s: {state or 'none'}")
 
 
-class Alertmanager:
-    def __init__(self, url: str, timeout: float = 10.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-
-    def ready(self) -> bool:
-        return _ready(self.url)
+class Alertmanager(_Api):
+    """Alertmanager's HTTP API (``/api/v2``): the alerts it holds, in every state."""
 
     def alerts(self) -> list[dict[str, Any]]:
         url = f"{self.url}/api/v2/alerts"
-        body = _get(url, self.timeout)
+        body = self.get(url)
         with _shape(url):
             return _dicts(body)
 
@@ -181,14 +204,6 @@ def _dicts(value: Any) -> list[Any]:
 def _brief(value: Any) -> str:
     text = json.dumps(value)
     return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
 
 
 def _num(v: Any) -> float:

@@ -38,7 +38,8 @@ NAME_MATCH = '{__name__=~"stepwatch_.+|[a-z_]+:.+|ALERTS|ALERTS_FOR_STATE|up"}'
 
 def _api(url: str, path: str, params: Mapping[str, Any], timeout: float = 60.0) -> Any:
     """``data`` of one Prometheus API call (errors and odd answers are PromError, as everywhere)."""
-    return Prometheus(url, timeout=timeout)._api(path, dict(params))
+    with Prometheus(url, timeout=timeout) as prom:
+        return prom._api(path, dict(params))
 
 
 def _value(v: str) -> str:
@@ -115,8 +116,8 @@ def export_openmetrics(prometheus_url: str, start: float, end: float, names: Ite
 def _alerts_at(prometheus_url: str, at: float) -> list[dict[str, Any]]:
     from stepwatch.triage.engine import firing_at
 
-    prom = Prometheus(prometheus_url)
-    alerts = firing_at(prom, None) if abs(time.time() - at) < 15 else firing_at(prom, at)
+    with Prometheus(prometheus_url) as prom:
+        alerts = firing_at(prom, None) if abs(time.time() - at) < 15 else firing_at(prom, at)
     return [a.to_webhook() for a in alerts]
 
 
