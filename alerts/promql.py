@@ -200,3 +200,23 @@ def known_labels(name: str) -> set[str] | None:
                 return None
             return base | set(m.labels) | ({"le"} if name.endswith("_bucket") else set())
     return set()
+
+
+# ----- more words (appended; the ones above keep their exact output) --------------------------
+
+DEVICE_PEAK_FLOPS = "stepwatch_device_peak_flops_per_second"
+
+
+def device_peak_flops(*matchers: str) -> str:
+    """The device's dense peak FLOP/s per instance; absent where it is unknown (0 on a CPU), never 0."""
+    return f"max by (job, instance) ({sel(DEVICE_PEAK_FLOPS, *matchers)} > 0)"
+
+
+def ratio_to_fastest(per_member: str, group: str = "job, instance") -> str:
+    """Each member's value (a rank's busy seconds per step) / the smallest positive one of its group.
+
+    1 is the fastest; every step waits for the slowest, so the largest ratio is the skew.  A zero
+    (a rank with no step yet) is left out of the minimum rather than making every ratio +Inf.
+    """
+    return (f"(\n{per_member}\n)\n/ on ({group}) group_left\n"
+            f"  min by ({group}) (\n(\n{per_member}\n) > 0\n)")
