@@ -5,11 +5,12 @@ seeds' bar is 600 s), no unexpected critical alert fires, the service stays
 healthy before, during and after, the alert resolves after the fault is
 removed, and the drill's own checks hold (the clear OOM error, p99 up with p50
 flat, 429s with Retry-After, ...).  Alert names and thresholds come from the
-thresholds source, never from literals here.
+thresholds source, the goal, deadlines and check ratios from runbooks/drills.md
+(``criteria``), the queries from ``queries``: never from literals here.
 
 Each drill: health check (abort if unhealthy) -> baseline traffic until
 steady (nothing firing) -> inject -> watch Prometheus and the webhook ->
-restore -> wait for the alert to resolve -> checks.
+restore -> wait for the alert to resolve -> judge.
 """
 
 from __future__ import annotations
@@ -19,19 +20,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from stepwatch.alerts.thresholds import Thresholds
+from stepwatch.alerts.thresholds import Thresholds, parse_duration
 from stepwatch.alerts.thresholds import load as load_thresholds
+from stepwatch.fault_injection import queries
+from stepwatch.fault_injection.criteria import Criteria
+from stepwatch.fault_injection.criteria import load as load_criteria
 from stepwatch.fault_injection.stack import LocalStack, Traffic
 from stepwatch.promapi import PromError
+from stepwatch.runbooks.parse import Drill as DrillSpec
+from stepwatch.runbooks.parse import load_drills
+from stepwatch.triage.record import record_scenario
 
-GOAL_S = 60.0
-SEEDS_BAR_S = 600.0
-DETECT_DEADLINE_S = 150.0
-RESOLVE_DEADLINE_S = 240.0
 SEED_DRILLS = ("cache-threshold", "off-menu-resolution", "vae-tiling-oom")
 ALL_DRILLS = (*SEED_DRILLS, "queue-overload", "straggler")
+RECORD_BEFORE_S = 150.0  # a recorded scenario starts this long before the injection: the steady baseline
 
 
 @dataclass
@@ -85,11 +90,10 @@ class Drill:
     needs_ranks = 1
     description = ""
 
-    def __init__(self, th: Thresholds, spec: Any = None) -> None:
-        from stepwatch.runbooks.parse import load_drills
-
+    def __init__(self, th: Thresholds, spec: DrillSpec | None = None, criteria: Criteria | None = None) -> None:
         self.th = th
         self.spec = spec or next(d for d in load_drills() if d.id == self.doc_id)
+        self.criteria = criteria or load_criteria()
         known = {a.name for a in th.alerts.values()}
         for name in self.spec.alerts:
             if name not in known:
@@ -109,9 +113,7 @@ class Drill:
 
     @property
     def within_s(self) -> float:
-        from stepwatch.alerts.thresholds import parse_duration
-
-        return parse_duration(self.spec.within)
+        return float(parse_duration(self.spec.within, f"runbooks/drills.md {self.doc_id}: within"))
 
     def inject_knobs(self) -> dict[str, Any]:
         return dict(self.spec.inject.get("knobs") or {})
@@ -156,15 +158,16 @@ class CacheThreshold(Drill):
         r.notes.append(f"knobs {self.inject_knobs()}: every step but the first and the last reuses the cache")
 
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
-        p10 = stack.prom.value('min(stepwatch_quality_psnr_decibels{quantile="p10"})')
-        gate = stack.prom.value("min(stepwatch_quality_gate_decibels)")
+        p10 = stack.prom.value(queries.psnr_p10())
+        gate = stack.prom.value(queries.quality_gate())
         r.details["psnr_p10_db"] = p10
         r.details["gate_db"] = gate
         r.details["step_seconds_during"] = _mean_step(stack, self.th)
         before, during = r.details.get("step_seconds_before"), r.details["step_seconds_during"]
         r.checks["psnr_below_gate_minus_margin"] = (p10 is not None and gate is not None
                                                     and p10 < gate - self.th.quality.alert_margin_db)
-        r.checks["performance_normal_or_better"] = bool(before and during and during <= before * 1.1)
+        r.checks["performance_normal_or_better"] = bool(before and during
+                                                        and during <= before * self.criteria.step_time_at_most)
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
         stack.knobs(**self.restore_knobs(r.details.get("serving_knobs", {})))
@@ -204,8 +207,9 @@ class OffMenuResolution(Drill):
         before = r.details["latency_before"]
         r.details["latency_during"] = after
         r.checks["off_menu_requests_served"] = all(c == 200 for c in r.details["off_menu_codes"])
-        r.checks["p99_rises"] = bool(before["p99"] and after["p99"] and after["p99"] > 1.5 * before["p99"])
-        r.checks["p50_flat"] = bool(before["p50"] and after["p50"] and after["p50"] < 1.5 * before["p50"])
+        rise, flat = self.criteria.p99_rises_above, self.criteria.p50_stays_below
+        r.checks["p99_rises"] = bool(before["p99"] and after["p99"] and after["p99"] > rise * before["p99"])
+        r.checks["p50_flat"] = bool(before["p50"] and after["p50"] and after["p50"] < flat * before["p50"])
         fired = [a for a in stack.prom.firing() if self.expected_alert_matches(a)]
         r.details["culprit_shapes"] = sorted({a["labels"].get("shape", "") for a in fired})
 
@@ -248,7 +252,8 @@ class VaeTilingOom(Drill):
         before, now = r.details.get("worker_rss_before"), info["worker"]["rss_bytes"]
         r.details["worker_rss_after"] = now
         r.checks["same_worker_no_restart"] = info["worker"]["pid"] == r.details.get("worker_pid_before")
-        r.checks["memory_back_near_baseline"] = bool(before and now and abs(now - before) <= 0.15 * before)
+        within = self.criteria.rss_back_within
+        r.checks["memory_back_near_baseline"] = bool(before and now and abs(now - before) <= within * before)
         st, _, _ = stack.generate(size="2048x2048", steps=1)
         r.checks["2048_fits_with_tiling"] = st == 200
 
@@ -276,7 +281,7 @@ class QueueOverload(Drill):
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
         burst: Traffic = r.details["_burst"]
         time.sleep(max(0.0, r.details["_burst_until"] - time.time()))
-        wait = stack.prom.value("max(stepwatch_queue_estimated_wait_seconds)")
+        wait = stack.prom.value(queries.estimated_wait())
         r.details["estimated_wait_s"] = wait
         burst.stop()
         r.details["burst_codes"] = {str(k): v for k, v in sorted(burst.codes.items())}
@@ -323,8 +328,6 @@ DRILLS: dict[str, type[Drill]] = {d.name: d for d in (CacheThreshold, OffMenuRes
 
 
 def _scrape_s(th: Thresholds) -> float:
-    from stepwatch.alerts.thresholds import parse_duration
-
     return parse_duration(th.profiles["drill"].scrape_interval)
 
 
@@ -335,23 +338,20 @@ def _rate_window(th: Thresholds, stack: LocalStack | None = None) -> str:
 
 
 def _mean_step(stack: LocalStack, th: Thresholds) -> float | None:
-    w = _rate_window(th, stack)
-    return stack.prom.value(f"sum(rate(stepwatch_pipeline_step_duration_seconds_sum[{w}])) / "
-                            f"sum(rate(stepwatch_pipeline_step_duration_seconds_count[{w}]))")
+    return stack.prom.value(queries.mean_step(_rate_window(th, stack)))
 
 
 def _quantiles(stack: LocalStack, th: Thresholds) -> dict[str, float | None]:
     w = _rate_window(th, stack)
     out: dict[str, float | None] = {}
-    for q, name in ((0.5, "p50"), (0.99, "p99")):
-        v = stack.prom.value(f"histogram_quantile({q}, sum by (le) "
-                             f"(rate(stepwatch_service_request_duration_seconds_bucket[{w}])))")
+    for name, q in queries.LATENCY_QUANTILES.items():
+        v = stack.prom.value(queries.request_quantile(q, w))
         out[name] = None if v is None or math.isnan(v) else v
     return out
 
 
 def _service_requests(stack: LocalStack) -> float:
-    return stack.prom.value("sum(stepwatch_service_requests_total)") or 0.0
+    return stack.prom.value(queries.service_requests()) or 0.0
 
 
 def _attempt(r: DrillResult, what: str, fn: Callable[[], None]) -> None:
@@ -362,31 +362,46 @@ def _attempt(r: DrillResult, what: str, fn: Callable[[], None]) -> None:
         r.failures.append(f"{what} failed: {type(e).__name__}: {e}")
 
 
+@dataclass
+class _Watch:
+    """What a drill run saw across its phases: alert names, health, alerts left over from before."""
+
+    seen: set[str] = field(default_factory=set)
+    healthy: bool = True
+    leftover: set[str] = field(default_factory=set)
+
+
+Triage = Callable[[LocalStack, DrillResult], dict[str, Any] | None]
+
+
 class Runner:
-    """Runs drills on a stack and watches Prometheus, Alertmanager's webhook and the service."""
+    """Runs drills on a stack and watches Prometheus, Alertmanager's webhook and the service.
+
+    One drill runs in four phases, each a method: ``_steady`` (baseline traffic until the
+    drill's alert and every critical are quiet), ``_inject_and_watch`` (fault in, watch for
+    the alert and its webhook, triage, the drill's checks while firing, fault out),
+    ``_resolve`` (wait for the alert to clear) and ``_judge`` (the pass/fail checks).
+    """
 
     def __init__(self, stack: LocalStack, th: Thresholds | None = None,
-                 progress: Callable[[str], None] | None = None,
-                 triage: Callable[[LocalStack, DrillResult], dict[str, Any] | None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, triage: Triage | None = None,
+                 criteria: Criteria | None = None) -> None:
         self.stack = stack
         self.th = th or load_thresholds()
+        self.criteria = criteria or load_criteria()
         self.progress = progress or (lambda m: None)
         self.triage = triage
         self.critical = {a.name for a in self.th.alerts.values() if a.severity == "critical"}
-        self.record_dir: Any = None  # a Path: record each drill's window as a triage scenario
+        self.record_dir: Path | None = None  # record each drill's window as a triage scenario under it
 
-    def _record(self, drill: Drill, r: DrillResult) -> None:
-        try:
-            from stepwatch.triage.record import record_scenario
-        except ImportError:
-            return
+    def _record(self, drill: Drill, r: DrillResult, record_dir: Path) -> None:
         try:
             meta = {"drill": drill.name, "expected_cause": drill.cause, "expected_alert": drill.expected,
                     "alerts": list(drill.required), "injected_at": r.injected_at,
                     "detected_at": r.injected_at + (r.time_to_detect_s or 0.0), "restored_at": r.restored_at,
                     "passed": r.passed}
-            path = record_scenario(self.stack.prometheus_url, r.injected_at - 150, r.ended_at,
-                                   self.record_dir / drill.name, meta)
+            path = record_scenario(self.stack.prometheus_url, r.injected_at - RECORD_BEFORE_S, r.ended_at,
+                                   record_dir / drill.name, meta)
             r.notes.append(f"recorded as a triage scenario: {path}")
         except Exception as e:
             r.notes.append(f"recording the scenario failed: {type(e).__name__}: {e}")
@@ -406,114 +421,141 @@ class Runner:
         """The names firing now; empty (and a note on the report) when Prometheus did not answer."""
         return self._try_firing(r) or set()
 
-    def wait_quiet(self, watch: set[str], timeout: float = 240.0, r: DrillResult | None = None) -> set[str]:
+    def wait_quiet(self, watch: set[str], timeout: float | None = None, r: DrillResult | None = None) -> set[str]:
         """Wait until none of ``watch`` fires (e.g. a previous drill's alert still resolving)."""
-        deadline = time.time() + timeout
+        deadline = time.time() + (self.criteria.quiet_deadline_s if timeout is None else timeout)
         firing = self._firing_names(r) & watch
         while firing and time.time() < deadline:
             time.sleep(2)
             firing = self._firing_names(r) & watch
         return firing
 
-    def run(self, drill: Drill, steady_s: float = 25.0) -> DrillResult:
-        st = self.stack
+    def run(self, drill: Drill, steady_s: float | None = None) -> DrillResult:
         r = DrillResult(drill.name, drill.expected, expected_cause=drill.cause)
-        names = {k: self.th.alert(k).name for k in (*drill.companions, *drill.silent)}
-        allowed = {*drill.required, *(names[k] for k in drill.companions)}
         self.progress(f"[{drill.name}] {drill.description}")
-        if not st.healthy():
+        if not self.stack.healthy():
             r.service_survived = False
             r.failures.append("service unhealthy before the drill: aborted")
             return r
-        traffic_bodies = drill.baseline_traffic()
-        with st.traffic(traffic_bodies, concurrency=2) as traffic:
-            self.progress(f"[{drill.name}] baseline traffic; waiting until nothing fires")
-            time.sleep(steady_s)
-            # The drill's own alert and every critical must be quiet before the fault goes in.
-            leftover = self.wait_quiet({drill.expected} | self.critical, r=r)
-            if leftover:
-                r.notes.append(f"still firing before injection: {sorted(leftover)}")
-                r.details["_pre"] = sorted(leftover)
-            already = self._firing_names(r)
-            if already:
-                r.notes.append(f"firing before injection (not counted against the drill): {sorted(already)}")
-            r.checks["healthy_before"] = st.healthy()
-            if not r.checks["healthy_before"]:
-                r.service_survived = False
-                r.failures.append("service unhealthy before injection: aborted")
+        w = _Watch()
+        with self.stack.traffic(drill.baseline_traffic(), concurrency=2) as traffic:
+            if not self._steady(drill, r, w, self.criteria.steady_s if steady_s is None else steady_s):
                 return r
-            seen: set[str] = set()
-            healthy_during = True
-            r.injected_at = time.time()
-            self.progress(f"[{drill.name}] injecting the fault")
-            # Once the fault may be in, it comes out whatever happens next (a Prometheus error, a failed
-            # check, Ctrl-C or SIGTERM): restore runs exactly once, in the finally.
-            try:
-                _attempt(r, "injection", lambda: drill.inject(st, r))
-                deadline = r.injected_at + DETECT_DEADLINE_S
-                while time.time() < deadline:
-                    try:
-                        alerts = st.prom.firing()
-                    except Exception as e:
-                        r.notes.append(f"prometheus query failed: {e}")
-                        alerts = []
-                    seen |= {a["labels"].get("alertname", "") for a in alerts}
-                    hit = [a for a in alerts if drill.expected_alert_matches(a)]
-                    if hit and r.time_to_detect_s is None:
-                        r.time_to_detect_s = time.time() - r.injected_at
-                        r.expected_labels = {k: v for k, v in hit[0]["labels"].items()}
-                        self.progress(f"[{drill.name}] {drill.expected} firing after {r.time_to_detect_s:.1f}s")
-                    if r.time_to_detect_s is not None and st.webhook is not None and r.time_to_webhook_s is None:
-                        note = st.webhook.first_firing(drill.expected, r.injected_at)
-                        if note is not None:
-                            r.time_to_webhook_s = note.received - r.injected_at
-                    if r.time_to_detect_s is not None and (st.webhook is None or r.time_to_webhook_s is not None):
-                        break
-                    healthy_during = healthy_during and st.healthy()
-                    time.sleep(1.0)
-                if r.time_to_detect_s is not None:
-                    # Triage runs when the alert fires, as `stepwatch triage serve` would on the webhook.
-                    if self.triage is not None:
-                        try:
-                            verdict = self.triage(st, r)
-                            if verdict:
-                                r.triage = verdict
-                                r.triage_cause = verdict.get("cause")
-                        except Exception as e:
-                            r.notes.append(f"triage failed: {type(e).__name__}: {e}")
-                    _attempt(r, "check while firing", lambda: drill.while_firing(st, r))
-                seen |= self._firing_names(r)
-                healthy_during = healthy_during and st.healthy()
-            finally:
-                r.restored_at = time.time()
-                self.progress(f"[{drill.name}] restoring")
-                _attempt(r, "restore", lambda: drill.restore(st, r))
-            deadline = r.restored_at + RESOLVE_DEADLINE_S
-            while time.time() < deadline:
-                firing = self._try_firing(r)
-                if firing is None:  # no answer is not "resolved"
-                    time.sleep(2.0)
-                    continue
-                seen |= firing
+            self._inject_and_watch(drill, r, w)
+            self._resolve(drill, r, w)
+            _attempt(r, "check after restore", lambda: drill.after(self.stack, r))
+            r.details["baseline_traffic_codes"] = {str(k): v for k, v in sorted(traffic.codes.items())}
+        self._judge(drill, r, w)
+        if self.record_dir is not None:
+            self._record(drill, r, self.record_dir)
+        self.progress(f"[{drill.name}] {'PASS' if r.passed else 'FAIL'}"
+                      + (f" detect {r.time_to_detect_s:.1f}s" if r.time_to_detect_s is not None else "")
+                      + (f"; {'; '.join(r.failures)}" if r.failures else ""))
+        return r
+
+    # ----- the phases -------------------------------------------------------------------------
+    def _steady(self, drill: Drill, r: DrillResult, w: _Watch, steady_s: float) -> bool:
+        """Baseline traffic until the drill's alert and every critical are quiet; False: aborted, unhealthy."""
+        self.progress(f"[{drill.name}] baseline traffic; waiting until nothing fires")
+        time.sleep(steady_s)
+        w.leftover = self.wait_quiet({drill.expected} | self.critical, r=r)
+        if w.leftover:
+            r.notes.append(f"still firing before injection: {sorted(w.leftover)}")
+        already = self._firing_names(r)
+        if already:
+            r.notes.append(f"firing before injection (not counted against the drill): {sorted(already)}")
+        r.checks["healthy_before"] = self.stack.healthy()
+        if not r.checks["healthy_before"]:
+            r.service_survived = False
+            r.failures.append("service unhealthy before injection: aborted")
+        return r.checks["healthy_before"]
+
+    def _inject_and_watch(self, drill: Drill, r: DrillResult, w: _Watch) -> None:
+        """Fault in; watch for the alert and its webhook; triage and the drill's checks while firing; fault out.
+
+        Once the fault may be in, it comes out whatever happens next (a Prometheus error, a
+        failed check, Ctrl-C or SIGTERM): restore runs exactly once, in the finally.
+        """
+        st = self.stack
+        r.injected_at = time.time()
+        self.progress(f"[{drill.name}] injecting the fault")
+        try:
+            _attempt(r, "injection", lambda: drill.inject(st, r))
+            deadline = r.injected_at + self.criteria.detect_deadline_s
+            while time.time() < deadline and not self._poll_alert(drill, r, w):
+                w.healthy = w.healthy and st.healthy()
+                time.sleep(1.0)
+            if r.time_to_detect_s is not None:
+                self._triage(r)
+                _attempt(r, "check while firing", lambda: drill.while_firing(st, r))
+            w.seen |= self._firing_names(r)
+            w.healthy = w.healthy and st.healthy()
+        finally:
+            r.restored_at = time.time()
+            self.progress(f"[{drill.name}] restoring")
+            _attempt(r, "restore", lambda: drill.restore(st, r))
+
+    def _poll_alert(self, drill: Drill, r: DrillResult, w: _Watch) -> bool:
+        """One look at Prometheus and the webhook; True once the alert fired and its webhook (if any) came."""
+        st = self.stack
+        try:
+            alerts = st.prom.firing()
+        except Exception as e:
+            r.notes.append(f"prometheus query failed: {e}")
+            alerts = []
+        w.seen |= {a["labels"].get("alertname", "") for a in alerts}
+        hit = [a for a in alerts if drill.expected_alert_matches(a)]
+        if hit and r.time_to_detect_s is None:
+            r.time_to_detect_s = time.time() - r.injected_at
+            r.expected_labels = dict(hit[0]["labels"].items())
+            self.progress(f"[{drill.name}] {drill.expected} firing after {r.time_to_detect_s:.1f}s")
+        if r.time_to_detect_s is None:
+            return False
+        if st.webhook is None:
+            return True
+        if r.time_to_webhook_s is None:
+            note = st.webhook.first_firing(drill.expected, r.injected_at)
+            if note is not None:
+                r.time_to_webhook_s = note.received - r.injected_at
+        return r.time_to_webhook_s is not None
+
+    def _triage(self, r: DrillResult) -> None:
+        """Triage at the moment the alert fires, as `stepwatch triage serve` would on the webhook."""
+        if self.triage is None:
+            return
+        try:
+            verdict = self.triage(self.stack, r)
+            if verdict:
+                r.triage = verdict
+                r.triage_cause = verdict.get("cause")
+        except Exception as e:
+            r.notes.append(f"triage failed: {type(e).__name__}: {e}")
+
+    def _resolve(self, drill: Drill, r: DrillResult, w: _Watch) -> None:
+        """Wait for the drill's alert to clear after the restore; no answer from Prometheus is not 'resolved'."""
+        deadline = r.restored_at + self.criteria.resolve_deadline_s
+        while time.time() < deadline:
+            firing = self._try_firing(r)
+            if firing is not None:
+                w.seen |= firing
                 if drill.expected not in firing:
                     r.resolved = True
                     r.time_to_resolve_s = time.time() - r.restored_at
-                    break
-                time.sleep(2.0)
-            _attempt(r, "check after restore", lambda: drill.after(st, r))
-            r.details["baseline_traffic_codes"] = {str(k): v for k, v in sorted(traffic.codes.items())}
-        r.checks["healthy_during"] = healthy_during
+                    return
+            time.sleep(2.0)
+
+    def _judge(self, drill: Drill, r: DrillResult, w: _Watch) -> None:
+        """The pass/fail checks every drill shares, then the verdict over them and the drill's own."""
+        st = self.stack
+        r.checks["healthy_during"] = w.healthy
         r.checks["healthy_after"] = st.healthy()
-        r.service_survived = healthy_during and r.checks["healthy_after"]
-        r.alerts_fired = sorted(seen)
+        r.service_survived = w.healthy and r.checks["healthy_after"]
+        r.alerts_fired = sorted(w.seen)
         r.ended_at = time.time()
-        unexpected_critical = sorted((seen & self.critical) - allowed - set(r.details.get("_pre", [])))
-        r.details.pop("_pre", None)
-        silent_fired = sorted({names[k] for k in drill.silent} & seen)
         r.checks["detected"] = r.time_to_detect_s is not None
-        r.checks["within_goal"] = r.time_to_detect_s is not None and r.time_to_detect_s <= min(GOAL_S,
-                                                                                               drill.within_s)
-        missing = [a for a in drill.required if a not in seen]
+        goal = min(self.criteria.goal_s, drill.within_s)
+        r.checks["within_goal"] = r.time_to_detect_s is not None and r.time_to_detect_s <= goal
+        missing = [a for a in drill.required if a not in w.seen]
         r.checks["all_required_alerts_fired"] = not missing
         if missing:
             r.failures.append(f"required alerts did not fire: {missing}")
@@ -522,6 +564,19 @@ class Runner:
             if r.triage_cause != drill.cause:
                 r.failures.append(f"triage named {r.triage_cause!r}, expected {drill.cause!r}")
         r.checks["webhook_delivered"] = st.webhook is None or r.time_to_webhook_s is not None
+        self._judge_alerts(drill, r, w)
+        for k, ok in r.checks.items():
+            if not ok and not any(k in f for f in r.failures):
+                r.failures.append(f"check failed: {k}")
+        r.details = {k: v for k, v in r.details.items() if not k.startswith("_")}
+        r.passed = not r.failures and all(r.checks.values())
+
+    def _judge_alerts(self, drill: Drill, r: DrillResult, w: _Watch) -> None:
+        """No critical beyond the drill's own and its companions; the silent ones stayed silent; resolved."""
+        names = {k: self.th.alert(k).name for k in (*drill.companions, *drill.silent)}
+        allowed = {*drill.required, *(names[k] for k in drill.companions)}
+        unexpected_critical = sorted((w.seen & self.critical) - allowed - w.leftover)
+        silent_fired = sorted({names[k] for k in drill.silent} & w.seen)
         r.checks["no_unexpected_critical"] = not unexpected_critical
         r.checks["resolved_after_restore"] = r.resolved
         if drill.silent:
@@ -530,17 +585,6 @@ class Runner:
             r.failures.append(f"unexpected critical alerts: {unexpected_critical}")
         if silent_fired:
             r.failures.append(f"alerts that must stay silent fired: {silent_fired}")
-        for k, ok in r.checks.items():
-            if not ok and not any(k in f for f in r.failures):
-                r.failures.append(f"check failed: {k}")
-        r.details = {k: v for k, v in r.details.items() if not k.startswith("_")}
-        r.passed = not r.failures and all(r.checks.values())
-        if self.record_dir is not None:
-            self._record(drill, r)
-        self.progress(f"[{drill.name}] {'PASS' if r.passed else 'FAIL'}"
-                      + (f" detect {r.time_to_detect_s:.1f}s" if r.time_to_detect_s is not None else "")
-                      + (f"; {'; '.join(r.failures)}" if r.failures else ""))
-        return r
 
 
 def calibrate_baselines(stack: LocalStack, progress: Callable[[str], None] | None = None,
@@ -552,10 +596,8 @@ def calibrate_baselines(stack: LocalStack, progress: Callable[[str], None] | Non
     """
     progress = progress or (lambda m: None)
     w = _rate_window(th or load_thresholds(), stack)
-    step = stack.prom.query(f"sum by (shape) (rate(stepwatch_pipeline_step_duration_seconds_sum[{w}])) / "
-                            f"sum by (shape) (rate(stepwatch_pipeline_step_duration_seconds_count[{w}]))")
-    hits = stack.prom.query(f'sum by (shape) (rate(stepwatch_cache_decisions_total{{decision="hit"}}[{w}])) / '
-                            f"sum by (shape) (rate(stepwatch_cache_decisions_total[{w}]))")
+    step = stack.prom.query(queries.step_by_shape(w))
+    hits = stack.prom.query(queries.hit_ratio_by_shape(w))
     shapes: dict[str, dict[str, float]] = {}
     for s in step:
         if s.label("shape") != "other" and s.value == s.value and s.value > 0:

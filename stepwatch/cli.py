@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "generate": ("stepwatch.dashboards.generate", "write the Grafana dashboards JSON"),
     },
     "snapshot": ("stepwatch.dashboards.snapshot", "render dashboard panels to PNG from Prometheus"),
-    "drill": ("stepwatch.fault_injection.drill", "run fault drills against the local stack"),
+    "drill": ("stepwatch.fault_injection.cli_drill", "run fault drills against the local stack"),
     "triage": {
         "run": ("stepwatch.triage.cli_run", "triage what is firing now"),
         "serve": ("stepwatch.triage.cli_serve", "receive Alertmanager webhooks and triage them"),

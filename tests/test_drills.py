@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from stepwatch.alerts.thresholds import load
-from stepwatch.fault_injection.drills import ALL_DRILLS, DRILLS, GOAL_S, SEED_DRILLS, DrillResult
+from stepwatch.fault_injection.criteria import load as load_criteria
+from stepwatch.fault_injection.drills import ALL_DRILLS, DRILLS, SEED_DRILLS, DrillResult
 from stepwatch.fault_injection.report import render_markdown
 from stepwatch.runbooks.parse import CAUSES, load_drills
 
 TH = load()
+GOAL_S = load_criteria().goal_s
 
 
 def test_every_drill_reads_its_block_in_the_runbook() -> None:

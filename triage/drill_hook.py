@@ -10,11 +10,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from stepwatch.fault_injection.drills import DrillResult
+from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.triage.engine import Engine, firing_at
 from stepwatch.triage.render import incident_terminal, terminal
 
 
-def triage_for_drill(stack: Any, result: Any) -> dict[str, Any] | None:
+def triage_for_drill(stack: LocalStack, result: DrillResult) -> dict[str, Any] | None:
     """Triage every alert firing on ``stack.prom`` now; the incident holding ``result.expected_alert``."""
     t0 = time.time()
     engine = Engine(stack.prom)

@@ -1,0 +1,78 @@
+"""``stepwatch drill NAME|all``: fault drills on the local stack, with a report.
+
+Brings up the practice service, the sidecar, Prometheus (drill-profile rules)
+and Alertmanager (routing to a local webhook receiver) on loopback ports - or
+attaches to a running stack given its URLs - sends baseline traffic, injects
+each fault, measures the time to the alert firing in Prometheus and to the
+webhook arriving, restores, and checks that the alert resolves.  Writes a
+markdown and a JSON report (with dashboard panels as PNG); exits non-zero when
+any drill fails.
+
+Drills: cache-threshold, off-menu-resolution, vae-tiling-oom (the seeds'
+three), queue-overload, straggler (two ranks), or all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from stepwatch.alerts.thresholds import load as load_thresholds
+from stepwatch.fault_injection.campaign import Campaign, expand
+from stepwatch.fault_injection.drills import ALL_DRILLS
+from stepwatch.fault_injection.report import summary_table
+from stepwatch.fault_injection.stack import StackUrls, exit_on_sigterm
+from stepwatch.triage.drill_hook import triage_for_drill
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("drills", nargs="+", metavar="NAME", help=f"{', '.join(ALL_DRILLS)}, seeds or all")
+    p.add_argument("--out", default="reports", help="report directory (default: %(default)s/drill-<time>)")
+    p.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default=None,
+                   help="torch.compile backend of the practice service (default: the service config's, inductor)")
+    p.add_argument("--no-snapshots", action="store_true", help="skip the PNG panels in the report")
+    p.add_argument("--no-triage", action="store_true", help="do not run the triage agent on each alert")
+    p.add_argument("--json", action="store_true", help="end with one JSON line summarizing the drills")
+    p.add_argument("--record", metavar="DIR", help="record each drill's window as a triage scenario under DIR")
+    a = p.add_argument_group("attach to a running stack instead of starting one")
+    a.add_argument("--service", help="practice service URL (its admin endpoint must be on)")
+    a.add_argument("--prometheus", help="Prometheus URL (with stepwatch's drill rules loaded)")
+    a.add_argument("--alertmanager", help="Alertmanager URL")
+    a.add_argument("--admin-token", help="the service's admin token")
+
+
+def _attach(args: argparse.Namespace) -> StackUrls | None:
+    if not (args.service or args.prometheus):
+        return None
+    if not (args.service and args.prometheus):
+        raise SystemExit("stepwatch drill: attaching needs both --service and --prometheus")
+    return StackUrls(args.service, args.prometheus, args.alertmanager, admin_token=args.admin_token)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        names = expand(args.drills)
+    except ValueError as e:
+        raise SystemExit(f"stepwatch drill: {e}") from None
+    attach = _attach(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    t0 = time.time()
+    out = Path(args.out) / time.strftime("drill-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+
+    def progress(msg: str) -> None:
+        print(f"[{time.time() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    campaign = Campaign(load_thresholds(), out, progress, triage=None if args.no_triage else triage_for_drill,
+                        compile_backend=args.compile_backend, attach=attach,
+                        record_dir=Path(args.record) if args.record else None, snapshots=not args.no_snapshots)
+    with exit_on_sigterm():  # CI's SIGTERM still restores the fault and stops the stack (the finally blocks)
+        report_path = campaign.run(names)
+    print(summary_table(campaign.results, report_path))
+    if args.json:
+        print(json.dumps({"drills": [r.summary_json() for r in campaign.results]}))
+    return 0 if all(r.passed for r in campaign.results) else 1

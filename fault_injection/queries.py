@@ -1,0 +1,65 @@
+"""Every PromQL query the drills run, as functions of the rate window, built from the PromQL vocabulary.
+
+They are data, not strings inside the drills, so that tests/test_queries.py can check
+each one against the metric catalog without a running stack (as the rules, dashboards
+and runbook checks are checked).  A drill that needs a new query adds a function here
+and lists it in :func:`drill_queries`.
+"""
+
+from __future__ import annotations
+
+from stepwatch.alerts.promql import agg, cache_hit_ratio, mean_step_time, quantile, sel
+
+REQUEST_SECONDS_BUCKET = "stepwatch_service_request_duration_seconds_bucket"
+LATENCY_QUANTILES = {"p50": 0.5, "p99": 0.99}  # the off-menu drill: p99 rises while p50 stays flat
+
+
+def mean_step(window: str) -> str:
+    """Mean seconds per denoising step over all shapes (the cache drill: performance normal or better)."""
+    return mean_step_time(window)
+
+
+def step_by_shape(window: str) -> str:
+    """Mean seconds per step, per shape: the per-shape step-time baselines."""
+    return mean_step_time(window, "shape")
+
+
+def hit_ratio_by_shape(window: str) -> str:
+    """Cache hits / decisions, per shape: the per-shape hit-rate baselines."""
+    return cache_hit_ratio(window, "shape")
+
+
+def request_quantile(q: float, window: str) -> str:
+    """The q-quantile of service request latency over all pools."""
+    return quantile(q, REQUEST_SECONDS_BUCKET, window)
+
+
+def psnr_p10() -> str:
+    """The worst probe set's p10 PSNR (dB)."""
+    return agg("min", sel("stepwatch_quality_psnr_decibels", 'quantile="p10"'))
+
+
+def quality_gate() -> str:
+    """The strictest PSNR gate (dB) the probe sets are held to."""
+    return agg("min", "stepwatch_quality_gate_decibels")
+
+
+def estimated_wait() -> str:
+    """The longest estimated queue wait (seconds) of any pool."""
+    return agg("max", "stepwatch_queue_estimated_wait_seconds")
+
+
+def service_requests() -> str:
+    """Requests the service has answered so far, all pools and codes."""
+    return agg("sum", "stepwatch_service_requests_total")
+
+
+def drill_queries(window: str) -> dict[str, str]:
+    """Every query the drills and the baseline calibration run, by name, for one rate window."""
+    out = {"mean_step": mean_step(window), "step_by_shape": step_by_shape(window),
+           "hit_ratio_by_shape": hit_ratio_by_shape(window), "psnr_p10": psnr_p10(),
+           "quality_gate": quality_gate(), "estimated_wait": estimated_wait(),
+           "service_requests": service_requests()}
+    for name, q in LATENCY_QUANTILES.items():
+        out[f"request_{name}"] = request_quantile(q, window)
+    return out
