@@ -13,7 +13,6 @@ of a stack that is already running.
 
 from __future__ import annotations
 
-import http.server
 import json
 import logging
 import os
@@ -23,17 +22,29 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import httpx
 import yaml
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
+from stepwatch import httpclient
+from stepwatch.alerts import stack as cfgs
+from stepwatch.alerts.rulegen import rules_file
+from stepwatch.alerts.thresholds import load as load_thresholds
+from stepwatch.exporter.sidecar.capture import capture_baseline
+from stepwatch.exporter.sidecar.config import ProbeSet, default_probe_set
 from stepwatch.promapi import Alertmanager, Prometheus
+from stepwatch.triage.receiver import ThreadedServer
 
 log = logging.getLogger("stepwatch.stack")
 
@@ -82,49 +93,47 @@ class Notification:
 
 
 class WebhookReceiver:
-    """Alertmanager's webhook receiver: records every notification with its arrival time."""
+    """Alertmanager's webhook receiver: records every notification with its arrival time.
+
+    A tiny Starlette app on uvicorn in a thread, the ASGI stack the service and the triage
+    receiver run on; any path takes a POST, since Alertmanager posts to the URL it was given.
+    """
 
     def __init__(self, port: int = 0, on_notification: Callable[[Notification], None] | None = None) -> None:
         self.received: list[Notification] = []
         self._lock = threading.Lock()
         self.on_notification = on_notification
-        receiver = self
+        app = Starlette(routes=[Route("/{path:path}", self._post, methods=["POST"])])
+        self.server = ThreadedServer(app, "127.0.0.1", port, name="stepwatch-webhook")
+        self.url = f"{self.server.url}/alerts"
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
+    async def _post(self, request: Request) -> Response:
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return Response("the body is not JSON\n", status_code=400)
+        if not isinstance(body, dict):
+            return Response("the body is not a JSON object\n", status_code=400)
+        await run_in_threadpool(self.record, body)  # the callback may block (it may triage)
+        return Response(status_code=200)
 
-            def do_POST(self) -> None:
-                n = int(self.headers.get("Content-Length") or 0)
-                try:
-                    body = json.loads(self.rfile.read(n) or b"{}")
-                except json.JSONDecodeError:
-                    self.send_response(400)
-                    self.end_headers()
-                    return
-                note = Notification(time.time(), body.get("status", ""), list(body.get("alerts", [])), body)
-                with receiver._lock:
-                    receiver.received.append(note)
-                if receiver.on_notification is not None:
-                    try:
-                        receiver.on_notification(note)
-                    except Exception:
-                        log.exception("webhook callback failed")
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_port}/alerts"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="stepwatch-webhook")
+    def record(self, body: dict[str, Any]) -> Notification:
+        """Keep one delivery and hand it to the callback (whose errors are logged, never raised)."""
+        note = Notification(time.time(), body.get("status", ""), list(body.get("alerts", [])), body)
+        with self._lock:
+            self.received.append(note)
+        if self.on_notification is not None:
+            try:
+                self.on_notification(note)
+            except Exception:
+                log.exception("webhook callback failed")
+        return note
 
     def start(self) -> None:
-        self._thread.start()
+        self.server.start()
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()
 
     def first_firing(self, alertname: str, since: float) -> Notification | None:
         with self._lock:
@@ -150,7 +159,7 @@ def exit_on_sigterm() -> Iterator[None]:
         yield
         return
 
-    def _raise(signum: int, frame: Any) -> None:
+    def _raise(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, _raise)
@@ -211,28 +220,18 @@ class Child:
             pass  # the whole group is gone already
 
 
-def _up(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
+def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 600,
+          via: httpx.Client | None = None) -> tuple[int, Any, Mapping[str, str]]:
+    """(status, JSON body or text, headers) of one request; ``via`` reuses a client's connection.
 
-
-def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
-          timeout: float = 600) -> tuple[int, Any, dict[str, str]]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    Error statuses are answers, not exceptions; a transport failure raises ``httpx.HTTPError``.
+    """
+    kwargs: dict[str, Any] = {"json": body, "headers": headers or {}, "timeout": timeout}
+    r = via.request(method, url, **kwargs) if via is not None else httpclient.request(method, url, **kwargs)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            payload, status, hdrs = r.read(), r.status, dict(r.headers)
-    except urllib.error.HTTPError as e:
-        payload, status, hdrs = e.read(), e.code, dict(e.headers)
-    try:
-        return status, json.loads(payload), hdrs
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return status, payload.decode(errors="replace"), hdrs
+        return r.status_code, r.json(), r.headers
+    except ValueError:
+        return r.status_code, r.text, r.headers
 
 
 class Traffic:
@@ -259,25 +258,31 @@ class Traffic:
         return self
 
     def _client(self, i: int) -> None:
+        """One client on one kept-alive connection, as an SDK client sends; 429s wait Retry-After (at most 2 s)."""
         k = i
-        while not self._stop.is_set():
-            body = {**self.bodies[k % len(self.bodies)], "seed": k}
-            t = time.time()
-            try:
-                status, _, headers = _http("POST", self.url, body, timeout=300)
-            except OSError as e:
-                status, headers = 0, {}
-                with self._lock:
-                    self.errors.append(f"{type(e).__name__}: {e}")
+        with httpclient.client(timeout=300) as via:
+            while not self._stop.is_set():
+                status, headers = self._send({**self.bodies[k % len(self.bodies)], "seed": k}, via)
+                if status == 429:
+                    self._stop.wait(min(float(headers.get("Retry-After", "1")), 2.0))
+                elif self.pause:
+                    self._stop.wait(self.pause)
+                k += self.concurrency
+
+    def _send(self, body: dict[str, Any], via: httpx.Client) -> tuple[int, Mapping[str, str]]:
+        t = time.time()
+        status: int
+        headers: Mapping[str, str]
+        try:
+            status, _, headers = _http("POST", self.url, body, timeout=300, via=via)
+        except httpx.HTTPError as e:
+            status, headers = 0, {}
             with self._lock:
-                self.codes[status] = self.codes.get(status, 0) + 1
-                self.latencies.append((time.time(), time.time() - t, status))
-            if status == 429:
-                retry = float(headers.get("Retry-After", "1"))
-                self._stop.wait(min(retry, 2.0))
-            elif self.pause:
-                self._stop.wait(self.pause)
-            k += self.concurrency
+                self.errors.append(f"{type(e).__name__}: {e}")
+        with self._lock:
+            self.codes[status] = self.codes.get(status, 0) + 1
+            self.latencies.append((time.time(), time.time() - t, status))
+        return status, headers
 
     def stop(self) -> None:
         self._stop.set()
@@ -344,94 +349,108 @@ class LocalStack:
             raise
 
     def _start_all(self, timeout: float) -> None:
-        from stepwatch.alerts import stack as cfgs
+        """Webhook, service and Alertmanager (which start while the service warms up), sidecar, Prometheus.
 
+        Prometheus starts last, once every target it scrapes is up: else TargetDown fires for
+        the sidecar, which starts only after the quality baseline is captured.
+        """
         deadline = time.time() + timeout
         self.webhook = WebhookReceiver(on_notification=self.on_notification)
         self.webhook.start()
-        # The service.
-        svc_port = free_port()
-        self.service_url = f"http://127.0.0.1:{svc_port}"
-        svc_cfg = {**DRILL_SERVICE, **self.service_overrides}
+        svc, svc_cfg = self._start_service()
+        self._start_alertmanager(self.webhook.url, deadline)
+        self._wait(lambda: self._ready(), "service", deadline, child=svc)
+        self.progress(f"service ready in {time.time() - self.started:.0f}s")
+        if self.with_sidecar:
+            self._start_sidecar(int(svc_cfg.get("default_steps", 8)), deadline)
+        self._start_prometheus(deadline)
+        self.progress(f"stack up in {time.time() - self.started:.0f}s: service {self.service_url}, "
+                      f"prometheus {self.prometheus_url}, alertmanager {self.alertmanager_url}")
+
+    def _service_config(self) -> dict[str, Any]:
+        cfg = {**DRILL_SERVICE, **self.service_overrides}
         if self.compile_backend:
-            svc_cfg["compile"] = {**svc_cfg.get("compile", {}), "backend": self.compile_backend}
+            cfg["compile"] = {**cfg.get("compile", {}), "backend": self.compile_backend}
         if self.ranks > 1:
-            svc_cfg["ranks"] = self.ranks
-        (self.workdir / "service.yaml").write_text(yaml.safe_dump(svc_cfg))
-        self.progress(f"starting the practice service on :{svc_port} (warm-up compiles {svc_cfg['warmup']})")
+            cfg["ranks"] = self.ranks
+        return cfg
+
+    def _start_service(self) -> tuple[Child, dict[str, Any]]:
+        port = free_port()
+        self.service_url = f"http://127.0.0.1:{port}"
+        cfg = self._service_config()
+        (self.workdir / "service.yaml").write_text(yaml.safe_dump(cfg))
+        self.progress(f"starting the practice service on :{port} (warm-up compiles {cfg['warmup']})")
         # Idle OpenMP threads sleep instead of spinning: on a small shared box (CI: 2 cores with the
         # sidecar, Prometheus and the test itself) spinning workers make step times swing wildly.
         svc = Child("service", [sys.executable, "-m", "stepwatch.cli", "serve", "--config",
-                                str(self.workdir / "service.yaml"), "--port", str(svc_port),
-                                "--instance-id", f"practice:{svc_port}"], self.workdir / "service.log",
+                                str(self.workdir / "service.yaml"), "--port", str(port),
+                                "--instance-id", f"practice:{port}"], self.workdir / "service.log",
                     env={"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")})
         self.children.append(svc)
-        # Alertmanager starts while the service warms up; Prometheus only once every target it scrapes is
-        # up (else TargetDown fires for the sidecar that starts after the baseline capture).
-        am_port, prom_port = free_port(), free_port()
-        self.alertmanager_url = f"http://127.0.0.1:{am_port}"
-        self.prometheus_url = f"http://127.0.0.1:{prom_port}"
-        (self.workdir / "alertmanager.yml").write_text(cfgs.alertmanager_config(self.webhook.url, self.profile))
-        self.children.append(Child("alertmanager", cfgs.alertmanager_argv(
-            self.workdir / "alertmanager.yml", self.workdir / "am-data", f"127.0.0.1:{am_port}"),
-            self.workdir / "alertmanager.log"))
-        self.am = Alertmanager(self.alertmanager_url)
-        self._wait(lambda: self.am is not None and self.am.ready(), "alertmanager", deadline)
-        self._wait(lambda: self._ready(), "service", deadline, child=svc)
-        self.progress(f"service ready in {time.time() - self.started:.0f}s")
-        sidecar_port = free_port() if self.with_sidecar else None
-        self.sidecar_url = f"http://127.0.0.1:{sidecar_port}" if sidecar_port else None
-        if self.with_sidecar:
-            from stepwatch.exporter.sidecar.capture import capture_baseline
-            from stepwatch.exporter.sidecar.config import default_probe_set
+        return svc, cfg
 
-            probes = default_probe_set(size=PROBE_SIZE, steps=int(svc_cfg.get("default_steps", 8)))
-            # The baseline is the lossless reference: the lossy knob under test (the cache) is off while
-            # it is captured; probes then measure what the serving cache costs.
-            serving = self.info()["knobs"]
-            self.progress("capturing the quality baseline (20 probes, cache off)")
-            self.knobs(cache="none")
-            try:
-                capture_baseline(self.service_url, probes, self.workdir / "baselines")
-            finally:
-                restore = {"cache": serving.get("cache", "none")}
-                if serving.get("cache_threshold") is not None:
-                    restore["cache_threshold"] = serving["cache_threshold"]
-                self.knobs(**restore)
-            probe_file = self.workdir / "probe-set.yaml"
-            probe_file.write_text(yaml.safe_dump(probes.to_dict()))
-            sidecar = Child("sidecar", [
-                sys.executable, "-m", "stepwatch.cli", "sidecar", "--target", self.service_url,
-                "--port", str(sidecar_port), "--baseline-dir", str(self.workdir / "baselines"),
-                "--probe-set", str(probe_file), "--interval", f"{self.probe_interval:g}"],
-                self.workdir / "sidecar.log")
-            self.children.append(sidecar)
-            self._wait(lambda: _up(f"{self.sidecar_url}/metrics"), "sidecar", deadline, child=sidecar)
+    def _start_alertmanager(self, webhook_url: str, deadline: float) -> None:
+        port = free_port()
+        self.alertmanager_url = f"http://127.0.0.1:{port}"
+        (self.workdir / "alertmanager.yml").write_text(cfgs.alertmanager_config(webhook_url, self.profile))
+        self.children.append(Child("alertmanager", cfgs.alertmanager_argv(
+            self.workdir / "alertmanager.yml", self.workdir / "am-data", f"127.0.0.1:{port}"),
+            self.workdir / "alertmanager.log"))
+        am = self.am = Alertmanager(self.alertmanager_url)
+        self._wait(am.ready, "alertmanager", deadline)
+
+    def _start_sidecar(self, steps: int, deadline: float) -> None:
+        port = free_port()
+        self.sidecar_url = f"http://127.0.0.1:{port}"
+        probes = default_probe_set(size=PROBE_SIZE, steps=steps)
+        self._capture_baseline(probes)
+        probe_file = self.workdir / "probe-set.yaml"
+        probe_file.write_text(yaml.safe_dump(probes.to_dict()))
+        sidecar = Child("sidecar", [
+            sys.executable, "-m", "stepwatch.cli", "sidecar", "--target", self.service_url,
+            "--port", str(port), "--baseline-dir", str(self.workdir / "baselines"),
+            "--probe-set", str(probe_file), "--interval", f"{self.probe_interval:g}"],
+            self.workdir / "sidecar.log")
+        self.children.append(sidecar)
+        self._wait(lambda: httpclient.ok(f"{self.sidecar_url}/metrics"), "sidecar", deadline, child=sidecar)
+
+    def _capture_baseline(self, probes: ProbeSet) -> None:
+        """The lossless reference: the lossy knob under test (the cache) is off while it is captured.
+
+        Probes then measure what the serving cache costs.
+        """
+        serving = self.info()["knobs"]
+        self.progress("capturing the quality baseline (20 probes, cache off)")
+        self.knobs(cache="none")
+        try:
+            capture_baseline(self.service_url, probes, self.workdir / "baselines")
+        finally:
+            restore = {"cache": serving.get("cache", "none")}
+            if serving.get("cache_threshold") is not None:
+                restore["cache_threshold"] = serving["cache_threshold"]
+            self.knobs(**restore)
+
+    def _start_prometheus(self, deadline: float) -> None:
+        port = free_port()
+        self.prometheus_url = f"http://127.0.0.1:{port}"
         rules = cfgs.rule_file(self.profile)
         if not rules.is_file():  # a checkout without generated rules: generate them for this run
-            from stepwatch.alerts.rulegen import rules_file
-            from stepwatch.alerts.thresholds import load as load_thresholds
-
             rules = self.workdir / f"stepwatch-{self.profile}.rules.yml"
             rules.write_text(rules_file(load_thresholds(), self.profile))
         (self.workdir / "prometheus.yml").write_text(cfgs.prometheus_config(
             f"{self.service_url}/metrics", f"{self.sidecar_url}/metrics" if self.sidecar_url else None,
             rule_files=[rules], alertmanager_url=self.alertmanager_url, profile=self.profile))
         self.children.append(Child("prometheus", cfgs.prometheus_argv(
-            self.workdir / "prometheus.yml", self.workdir / "prom-data", f"127.0.0.1:{prom_port}"),
+            self.workdir / "prometheus.yml", self.workdir / "prom-data", f"127.0.0.1:{port}"),
             self.workdir / "prometheus.log"))
         self.prom = Prometheus(self.prometheus_url)
         self._wait(lambda: self.prom.ready(), "prometheus", deadline)
         jobs = {cfgs.SERVICE_JOB} | ({cfgs.SIDECAR_JOB} if self.with_sidecar else set())
         self.prom.wait_targets_up(jobs, timeout=max(30.0, deadline - time.time()))
-        self.progress(f"stack up in {time.time() - self.started:.0f}s: service {self.service_url}, "
-                      f"prometheus {self.prometheus_url}, alertmanager {self.alertmanager_url}")
 
     def _ready(self) -> bool:
-        try:
-            return _http("GET", self.service_url + "/readyz", timeout=2)[0] == 200
-        except OSError:
-            return False
+        return httpclient.ok(self.service_url + "/readyz")
 
     def _wait(self, ok: Callable[[], bool], what: str, deadline: float, child: Child | None = None) -> None:
         while time.time() < deadline:
@@ -455,7 +474,7 @@ class LocalStack:
             self.webhook = None
 
     # ----- driving it -----------------------------------------------------------------------
-    def generate(self, **body: Any) -> tuple[int, Any, dict[str, str]]:
+    def generate(self, **body: Any) -> tuple[int, Any, Mapping[str, str]]:
         body.setdefault("prompt", "a lighthouse at dusk")
         return _http("POST", self.service_url + "/v1/images/generations", body)
 
@@ -467,10 +486,7 @@ class LocalStack:
         return dict(body)
 
     def healthy(self) -> bool:
-        try:
-            return _http("GET", self.service_url + "/healthz", timeout=5)[0] == 200 and self._ready()
-        except OSError:
-            return False
+        return httpclient.ok(self.service_url + "/healthz", timeout=5) and self._ready()
 
     def info(self) -> dict[str, Any]:
         return dict(_http("GET", self.service_url + "/v1/stepwatch/info", timeout=30)[1])
