@@ -133,5 +133,6 @@ def test_ready_and_alertmanager(served: Callable[[Handler], Prometheus]) -> None
     with httpclient.use_transport(httpx.MockTransport(handler)), Alertmanager("http://am.test:9093/") as am:
         assert am.ready() and am.alerts() == alerts
     with httpclient.use_transport(httpx.MockTransport(lambda r: httpx.Response(200, json={"a": 1}))):
-        with Alertmanager("http://am.test:9093") as am, pytest.raises(PromError, match="expected a list of objects"):
-            am.alerts()
+        am = Alertmanager("http://am.test:9093")
+    with am, pytest.raises(PromError, match="expected a list of objects"):
+        am.alerts()
