@@ -6,6 +6,8 @@
   the answers.  The real service's end-to-end tests replace it.  Its own checks are in
   test_sidecar_standin.py.
 * ``FakeNvml``: an NVML provider answering from a table (the one hardware fake allowed: no GPU here).
+* ``Recorder``: an in-process HTTP endpoint that keeps what is POSTed to it (a --forward target), for
+  ``stepwatch.httpclient.use_transport``; every other URL goes to the network as usual.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import httpx
 import numpy as np
 from PIL import Image
 from prometheus_client import CollectorRegistry
@@ -269,3 +272,28 @@ def collector(registry: CollectorRegistry, fake: FakeNvml, **kw: Any) -> NvmlCol
     c = NvmlCollector(fake, **kw)
     registry.register(c)
     return c
+
+
+# --- HTTP ------------------------------------------------------------------------------------
+
+
+class Recorder(httpx.BaseTransport):
+    """Keeps the JSON bodies POSTed to ``url`` (answered 204) without a socket; other requests go out.
+
+    Install it with ``httpclient.use_transport(recorder)`` while the client under test is made.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._target = httpx.URL(url)
+        self.bodies: list[Any] = []
+        self._network = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if (request.url.host, request.url.path) == (self._target.host, self._target.path):
+            self.bodies.append(json.loads(request.read()))
+            return httpx.Response(204)
+        return self._network.handle_request(request)
+
+    def close(self) -> None:
+        self._network.close()

@@ -11,15 +11,23 @@ import json
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+from starlette.testclient import TestClient
 
+from stepwatch import httpclient
+from stepwatch.alerts import rulegen
 from stepwatch.alerts.thresholds import load
 from stepwatch.promapi import PromError, Sample
 from stepwatch.runbooks.parse import CAUSES, load_all
 from stepwatch.triage import render
 from stepwatch.triage.cli_run import parse_time
 from stepwatch.triage.engine import Alert, Engine, alerts_from_webhook, mitigation_for, triage, webhook_payload
+from stepwatch.triage.receiver import TriageServer
 from tests.servicefixture import free_port
 
 TH = load()
@@ -46,8 +54,6 @@ class StubProm:
 
 def _alert(key: str, profile: str = "drill", **labels: str) -> Alert:
     spec = TH.alert(key)
-    from stepwatch.alerts import rulegen
-
     ann = rulegen.alert_annotations(TH, spec, profile)
     return Alert(spec.name, {"alertname": spec.name, "job": "stepwatch-service",
                              **rulegen.alert_labels(spec, profile), **labels}, ann, "2026-01-01T00:00:00Z")
@@ -250,3 +256,73 @@ def test_query_errors_are_contained() -> None:
     assert d.could_not_check and d.error is not None and "parse error" in d.error
     assert report.status == "could_not_check"
 
+
+
+# ----- the webhook receiver (triage serve) without a real Prometheus -------------------------------
+
+def _prometheus_and_sink(forwarded: list[dict[str, Any]]) -> httpx.MockTransport:
+    """In-process Prometheus (every query answers 1, no alert fires) and --forward target."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/reports":
+            forwarded.append(json.loads(request.content))
+            return httpx.Response(204)
+        if request.url.path == "/api/v1/alerts":
+            return httpx.Response(200, json={"status": "success", "data": {"alerts": []}})
+        return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": [
+            {"metric": {}, "value": [0, "1"]}]}})
+
+    return httpx.MockTransport(handler)
+
+
+def _local_port(r: httpx.Response) -> int:
+    return int(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+
+def test_receiver_answers_as_before_and_documents_itself(tmp_path: Path) -> None:
+    server = TriageServer(f"http://127.0.0.1:{free_port()}", tmp_path, port=0)  # not started: no triage runs
+    try:
+        with TestClient(server.app) as c:
+            assert (c.get("/healthz").status_code, c.get("/healthz").text) == (200, "ok\n")
+            r = c.get("/latest")
+            assert (r.status_code, r.json()) == (404, {})
+            r = c.post("/alerts", content=b"[1,2")
+            assert r.status_code == 400 and r.text.startswith("bad payload: ")
+            r = c.post("/alerts", content=b'{"alerts": {}}')
+            assert (r.status_code, r.text) == (400, "bad payload: not an Alertmanager webhook payload\n")
+            assert (c.post("/alerts/", content=b"{}").text, server.queue.qsize()) == ("queued\n", 1)
+            assert (c.post("/elsewhere").status_code, c.post("/elsewhere").text) == (
+                404, "POST Alertmanager webhooks to /alerts\n")
+            assert c.get("/nothing").text == "not found\n"
+            r = c.put("/alerts")
+            assert r.status_code == 405 and r.headers["allow"] == "POST"
+            schema = c.get("/openapi.json").json()
+            assert {"/alerts", "/healthz", "/latest"} <= set(schema["paths"])
+            body = schema["paths"]["/alerts"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            assert "alerts" in body["properties"]
+    finally:
+        server.stop()
+
+
+def test_receiver_serves_triages_and_forwards_over_keep_alive(tmp_path: Path) -> None:
+    forwarded: list[dict[str, Any]] = []
+    with httpclient.use_transport(_prometheus_and_sink(forwarded)):  # Prometheus and the sink in-process
+        server = TriageServer("http://prom.test:9090", tmp_path, port=0, forward="http://sink.test/reports")
+    server.start()
+    try:
+        skew = _alert("rank_skew", instance="127.0.0.1:8000", rank="1")
+        with httpclient.client(base_url=server.url, timeout=5.0) as c:
+            queued = c.post("/alerts", json=webhook_payload([skew]))
+            assert queued.text == "queued\n"
+            deadline = time.time() + 10
+            while not forwarded and time.time() < deadline:
+                time.sleep(0.01)
+            latest = c.get("/latest")
+            assert latest.status_code == 200 and _local_port(latest) == _local_port(queued)  # one connection
+        assert forwarded and forwarded[0] == latest.json() == json.loads((tmp_path / "latest.json").read_text())
+        assert forwarded[0]["notification"]["alerts"] == [skew.short()]
+        assert [w["status"] for w in server.written] == [forwarded[0]["status"]]
+        for name in forwarded[0]["files"]:
+            assert (tmp_path / name).is_file()
+    finally:
+        server.stop()

@@ -6,23 +6,22 @@ during a drill (or a no-fault control); see triage/README.md.
 
 from __future__ import annotations
 
-import http.server
 import json
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from stepwatch.triage.cli_serve import TriageServer
+from stepwatch import httpclient
+from stepwatch.alerts import stack
 from stepwatch.triage.engine import triage, webhook_payload
+from stepwatch.triage.receiver import TriageServer
+from stepwatch.triage.record import load_scenario, record_scenario
 from stepwatch.triage.replay import Replay
+from tests.fakes import Recorder
 from tests.servicefixture import free_port
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "triage" / "scenarios"
@@ -121,40 +120,17 @@ def test_queue_overload_under_provisioned_and_probe_failures_follow(replays: dic
     assert {c for c, _ in inc.ruled_out()} >= {"queue_backlog", "instance_slowdown", "cold_start"}
 
 
-class _Sink:
-    """A tiny HTTP endpoint that keeps what is POSTed to it (the --forward target)."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        sink = self
-
-        class H(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *a: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                sink.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(204)
-                self.end_headers()
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}/reports"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-
 def test_serve_writes_the_report_within_5s_of_the_webhook(replays: dict[str, Replay], tmp_path: Path) -> None:
     rp = replays["vae-tiling-oom-1"]
-    sink = _Sink()
-    server = TriageServer(rp.url, tmp_path / "out", port=0, forward=sink.url, at=rp.evaluated_at).start()
+    sink = Recorder("http://sink.test/reports")  # the --forward target, in-process; Prometheus is real
+    with httpclient.use_transport(sink):
+        server = TriageServer(rp.url, tmp_path / "out", port=0, forward=sink.url, at=rp.evaluated_at).start()
     try:
         # Alertmanager notifies the memory alert alone; the OOM firing on the same host joins it from context.
         mem = [a for a in rp.alerts() if a["labels"]["alertname"] == "StepwatchMemoryPressure"]
         payload = {**webhook_payload([]), "alerts": mem, "status": "firing"}
-        req = urllib.request.Request(server.url + "/alerts", data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
         t0 = time.time()
-        with urllib.request.urlopen(req, timeout=5) as r:
-            assert r.status == 200
+        assert httpclient.request("POST", server.url + "/alerts", json=payload, timeout=5).status_code == 200
         latest = tmp_path / "out" / "latest.json"
         while not latest.exists() and time.time() - t0 < 10:
             time.sleep(0.01)
@@ -177,25 +153,20 @@ def test_serve_writes_the_report_within_5s_of_the_webhook(replays: dict[str, Rep
         assert sink.bodies and sink.bodies[0]["incidents"][0]["cause"] == "vae_tiling_off"
         # A resolved-only notification is recorded, not triaged; a bad body is refused.
         resolved = {**payload, "status": "resolved", "alerts": [{**mem[0], "status": "resolved"}]}
-        urllib.request.urlopen(urllib.request.Request(server.url + "/alerts", data=json.dumps(resolved).encode(),
-                                                      method="POST"), timeout=5).read()
+        assert httpclient.request("POST", server.url + "/alerts", json=resolved, timeout=5).status_code == 200
         deadline = time.time() + 5
         while len(server.written) < 2 and time.time() < deadline:
             time.sleep(0.01)
         assert server.written[-1]["status"] == "resolved"
-        with pytest.raises(urllib.error.HTTPError, match="400"):
-            urllib.request.urlopen(urllib.request.Request(server.url + "/alerts", data=b"[1,2", method="POST"),
-                                   timeout=5)
+        assert httpclient.request("POST", server.url + "/alerts", content=b"[1,2", timeout=5).status_code == 400
     finally:
         server.stop()
-        sink.httpd.shutdown()
+        sink.close()
 
 
 @pytest.mark.needs_tool("prometheus-alertmanager", "alertmanager")
 def test_real_alertmanager_notifies_serve(replays: dict[str, Replay], tmp_path: Path) -> None:
     """Alertmanager (drill routing, one notification per alert) -> triage serve -> one incident for both OOM alerts."""
-    from stepwatch.alerts import stack
-
     rp = replays["vae-tiling-oom-1"]
     server = TriageServer(rp.url, tmp_path / "out", port=0, at=rp.evaluated_at).start()
     am_port = free_port()
@@ -207,17 +178,11 @@ def test_real_alertmanager_notifies_serve(replays: dict[str, Replay], tmp_path: 
     try:
         base = f"http://127.0.0.1:{am_port}"
         deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(base + "/-/ready", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
+        while not httpclient.ok(base + "/-/ready", timeout=1) and time.time() < deadline:
+            time.sleep(0.1)
         oom = [{"labels": a["labels"], "annotations": a["annotations"]} for a in rp.alerts()
                if a["labels"]["alertname"] in ("StepwatchMemoryPressure", "StepwatchOutOfMemory")]
-        req = urllib.request.Request(base + "/api/v2/alerts", data=json.dumps(oom).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(req, timeout=5).read()
+        httpclient.request("POST", base + "/api/v2/alerts", json=oom, timeout=5).raise_for_status()
         deadline = time.time() + 30
         while len(server.written) < 2 and time.time() < deadline:
             time.sleep(0.05)
@@ -249,8 +214,6 @@ def test_cli_run_at_a_past_time_reads_alerts_from_the_data(replays: dict[str, Re
 
 def test_record_round_trip(replays: dict[str, Replay], tmp_path: Path) -> None:
     """Recording a Prometheus (here: a replay) and replaying the recording gives the same answers."""
-    from stepwatch.triage.record import load_scenario, record_scenario
-
     src = replays["straggler-1"]
     at = src.evaluated_at
     out = record_scenario(src.url, at - 120, at, tmp_path / "copy", {
