@@ -11,8 +11,14 @@ check (Prometheus or Alertmanager did not answer), 2 bad arguments.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from datetime import datetime, timezone
+
+from stepwatch.alerts.thresholds import ThresholdsError, parse_duration
+from stepwatch.promapi import Alertmanager, PromError, Prometheus
+from stepwatch.triage.engine import Alert, Engine, firing_at
+from stepwatch.triage.render import render, use_color
 
 EXIT_CLEAR, EXIT_INCIDENTS, EXIT_USAGE, EXIT_COULD_NOT_CHECK = 0, 1, 2, 3
 
@@ -29,8 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_time(text: str, now: float | None = None) -> float:
     """Unix seconds, ISO 8601, or a negative duration relative to now (-90s, -10m, -2h)."""
-    from stepwatch.alerts.thresholds import ThresholdsError, parse_duration
-
     t = text.strip()
     if t.startswith("-"):
         try:
@@ -51,10 +55,6 @@ def parse_time(text: str, now: float | None = None) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stepwatch.promapi import Alertmanager, PromError, Prometheus
-    from stepwatch.triage.engine import Alert, Engine, firing_at
-    from stepwatch.triage.render import render, use_color
-
     try:
         at = parse_time(args.at) if args.at else None
     except ValueError as e:
@@ -72,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
         source = "Alertmanager" if args.alertmanager and at is None else "Prometheus"
         msg = f"COULD NOT CHECK: {source} did not answer ({e}); nothing was triaged."
         if args.format == "json":
-            import json
-
             print(json.dumps({"status": "could_not_check", "error": msg, "incidents": []}))
         else:
             print(msg)

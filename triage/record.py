@@ -27,7 +27,12 @@ from typing import Any
 
 import yaml
 
+from stepwatch.alerts import promql, rulegen
+from stepwatch.alerts.thresholds import PROFILES, parse_duration
+from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.promapi import Prometheus
+from stepwatch.runbooks.parse import load_all
+from stepwatch.triage.engine import _selector, firing_at  # _selector: the label escaping the engine's queries use
 
 SAMPLES_FILE = "samples.om.gz"
 SCENARIO_FILE = "scenario.yaml"
@@ -57,11 +62,6 @@ def _ts(t: float | str) -> str:
 
 def read_by_triage() -> set[str]:
     """Series names the runbook checks and the rules (recording and alerting, both profiles) read."""
-    from stepwatch.alerts import promql, rulegen
-    from stepwatch.alerts.thresholds import PROFILES
-    from stepwatch.alerts.thresholds import load as load_thresholds
-    from stepwatch.runbooks.parse import load_all
-
     th = load_thresholds()
     used: set[str] = set()
     for profile in PROFILES:
@@ -92,7 +92,6 @@ def names_to_export(prometheus_url: str, start: float, end: float, all_buckets: 
 def export_openmetrics(prometheus_url: str, start: float, end: float, names: Iterable[str] | None = None,
                        ) -> tuple[str, dict[str, int]]:
     """OpenMetrics text of the raw samples in (start, end]; counts of names, series and samples."""
-    from stepwatch.triage.engine import _selector  # the label escaping the engine's queries use
     if names is None:
         names = names_to_export(prometheus_url, start, end)
     seconds = max(1, math.ceil(end - start))
@@ -114,8 +113,6 @@ def export_openmetrics(prometheus_url: str, start: float, end: float, names: Ite
 
 
 def _alerts_at(prometheus_url: str, at: float) -> list[dict[str, Any]]:
-    from stepwatch.triage.engine import firing_at
-
     with Prometheus(prometheus_url) as prom:
         alerts = firing_at(prom, None) if abs(time.time() - at) < 15 else firing_at(prom, at)
     return [a.to_webhook() for a in alerts]
@@ -164,9 +161,7 @@ def record_scenario(prometheus_url: str, start: float, end: float, out_dir: str 
 
 
 def _drill_scrape_s() -> float:
-    from stepwatch.alerts.thresholds import load, parse_duration
-
-    return parse_duration(load().profiles["drill"].scrape_interval)
+    return parse_duration(load_thresholds().profiles["drill"].scrape_interval)
 
 
 def load_scenario(path: str | Path) -> dict[str, Any]:
