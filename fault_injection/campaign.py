@@ -65,11 +65,9 @@ def make_stack(workdir: Path, ranks: int, *, compile_backend: str | None = None,
 
 def calibrate(stack: LocalStack, th: Thresholds, progress: Callable[[str], None],
               criteria: Criteria | None = None) -> None:
-    """Steady default-mix traffic for the calibration time, then per-shape baselines published to the service."""
-    progress("baseline traffic to calibrate per-shape baselines (step time, cache hit rate)")
-    with stack.traffic(concurrency=2):
-        time.sleep((criteria or load_criteria()).calibration_s)
-        calibrate_baselines(stack, progress, th)
+    """Per-shape baselines published to the service after the calibration time of the caller's steady traffic."""
+    time.sleep((criteria or load_criteria()).calibration_s)
+    calibrate_baselines(stack, progress, th)
 
 
 def not_started(names: list[str], th: Thresholds, error: Exception) -> list[DrillResult]:
@@ -118,7 +116,9 @@ class Campaign:
         try:
             runner = Runner(stack, self.th, self.progress, self.triage)
             runner.record_dir = self.record_dir
-            calibrate(stack, self.th, self.progress)
+            self.progress("baseline traffic to calibrate per-shape baselines (step time, cache hit rate)")
+            with stack.traffic(concurrency=2):
+                calibrate(stack, self.th, self.progress)
             for n in group:
                 self.results.append(runner.run(DRILLS[n](self.th)))
             self.stacks.append({"ranks": ranks, "service": stack.service_url, "prometheus": stack.prometheus_url,
