@@ -22,9 +22,9 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "generate": ("stepwatch.alerts.generate", "write Prometheus rules, PrometheusRule and stack configs"),
     },
     "dashboards": {
-        "generate": ("stepwatch.dashboards.generate", "write the Grafana dashboards JSON"),
+        "generate": ("stepwatch.dashboards.cli_dashboards", "write the Grafana dashboards JSON"),
     },
-    "snapshot": ("stepwatch.dashboards.snapshot", "render dashboard panels to PNG from Prometheus"),
+    "snapshot": ("stepwatch.dashboards.cli_snapshot", "render dashboard panels to PNG from Prometheus"),
     "drill": ("stepwatch.fault_injection.cli_drill", "run fault drills against the local stack"),
     "triage": {
         "run": ("stepwatch.triage.cli_run", "triage what is firing now"),
