@@ -11,7 +11,7 @@ Rules (each problem names the panel and the rule):
 - target-counter-agg: counters (catalog kind counter, ``*_total``, histogram ``_bucket/_count/_sum``)
   appear only inside ``rate()``/``increase()``, or in the first-event idiom
   ``X unless X offset $__rate_interval`` (counters born at 1 on their first event; see
-  ``generate.events``); rate/increase are applied to nothing else
+  ``stepwatch.alerts.promql.events``); rate/increase are applied to nothing else
 - target-metric-known: every series a query names is in ``stepwatch/catalog.py``, a recording rule of
   ``alerts/rulegen.recorded_names``, or ``up`` / ``ALERTS``
 - target-variables: a query uses only variables the dashboard defines (and ``$__rate_interval``)

@@ -1,7 +1,7 @@
 """Read generated dashboard JSON: panels, their queries, variables, and the alerts they link to.
 
-Pure stdlib, so the lint, the live proof, the snapshot renderer and the drill reports
-read the committed JSON the same way Grafana does, without the SDK.
+No SDK, so the lint, the live proof, the snapshot renderer and the drill reports read the
+committed JSON the same way Grafana does, without grafana-foundation-sdk.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from stepwatch.alerts.thresholds import Thresholds
 
 DATASOURCE_VAR = "datasource"
 DATASOURCE_UID = "${" + DATASOURCE_VAR + "}"
@@ -99,7 +101,7 @@ def runbook_links(p: Mapping[str, Any]) -> list[str]:
     return [str(link.get("url", "")) for link in p.get("links") or [] if link.get("url")]
 
 
-def linked_alerts(p: Mapping[str, Any], th: Any) -> list[str]:
+def linked_alerts(p: Mapping[str, Any], th: Thresholds) -> list[str]:
     """Names of the alerts whose runbook the panel links to (thresholds decide what a runbook URL is)."""
     urls = set(runbook_links(p))
     return [spec.name for key, spec in th.alerts.items() if th.runbook_url(key) in urls]

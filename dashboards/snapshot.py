@@ -14,7 +14,6 @@ from the panel were firing (``ALERTS{alertstate="firing"}``) shaded.
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import time
@@ -22,23 +21,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import yaml
+
+from stepwatch.alerts.thresholds import Thresholds, parse_duration
+from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.dashboards.model import (
     FILTER_VARS,
     Query,
+    expand,
     legend,
     linked_alerts,
     load,
-    package_dir,
     panel,
     panels,
     queries,
 )
-
-if TYPE_CHECKING:
-    from stepwatch.alerts.thresholds import Thresholds
-    from stepwatch.promapi import Prometheus
+from stepwatch.promapi import PromError, Prometheus
 
 DEFAULT_DASHBOARD = "stepwatch-overview.json"
 MAX_POINTS = 400
@@ -74,10 +74,6 @@ def parse_time(text: str | float, now: float | None = None) -> float:
 
 def scrape_interval(prom: Prometheus, default: float = 15.0) -> float:
     """The Prometheus's global scrape interval (what Grafana's $__rate_interval is built on)."""
-    import yaml
-
-    from stepwatch.alerts.thresholds import parse_duration
-
     try:
         cfg = yaml.safe_load(prom._api("status/config")["yaml"]) or {}
         return parse_duration(str(cfg.get("global", {}).get("scrape_interval", f"{default:g}s")))
@@ -203,9 +199,19 @@ def _spans(points: list[tuple[float, float]], step: float) -> list[tuple[float, 
 def fetch(p: Mapping[str, Any], prom: Prometheus, start: float, end: float, step: float, values: Mapping[str, str],
           th: Thresholds) -> PanelData:
     """Run the panel's queries and its alerts' ALERTS query over [start, end]."""
-    from stepwatch.dashboards.model import expand
-    from stepwatch.promapi import PromError
+    data = _panel_data(p)
+    styles = _styles(p)
+    for q in queries(p):
+        if not q.hidden:
+            _run_query(data, q, prom, start, end, step, values, styles.get(q.ref_id, {}))
+    names = linked_alerts(p, th)
+    if names:
+        data.firing = _firing(data, names, prom, start, end, step)
+    return data
 
+
+def _panel_data(p: Mapping[str, Any]) -> PanelData:
+    """What the panel's JSON says about drawing it: kind, unit, bars, axis limits, threshold lines, mappings."""
     defaults = (p.get("fieldConfig") or {}).get("defaults") or {}
     custom = defaults.get("custom") or {}
     data = PanelData(str(p.get("title")), str(p.get("type")), str(defaults.get("unit") or ""),
@@ -219,110 +225,158 @@ def fetch(p: Mapping[str, Any], prom: Prometheus, start: float, end: float, step
                 data.mappings[float(k)] = str(res.get("text") or k)
             except ValueError:
                 pass
-    styles = _styles(p)
-    q: Query
-    for q in queries(p):
-        if q.hidden:
-            continue
-        try:
-            result = prom.query_range(expand(q.expr, values), start, end, step)
-        except PromError as e:
-            data.errors.append(f"{q.ref_id}: {e}")
-            continue
-        for labels, pts in result:
-            pts = [(t, v) for t, v in pts if not math.isnan(v)]
-            if not pts:  # NaN all along (0/0 before any request): Grafana draws nothing and lists nothing
-                continue
-            s = Series(legend(q.legend, labels), labels, [t for t, _ in pts], [v for _, v in pts], q.ref_id,
-                       **styles.get(q.ref_id, {}))
-            (data.heat if q.heatmap else data.series).append(s)
-    names = linked_alerts(p, th)
-    if names:
-        expr = f'ALERTS{{alertstate="firing", alertname=~"{"|".join(sorted(names))}"}}'
-        try:
-            for labels, pts in prom.query_range(expr, start, end, step):
-                data.firing.setdefault(labels.get("alertname", "?"), []).extend(pts)
-        except PromError as e:
-            data.errors.append(f"ALERTS: {e}")
-        data.firing = {k: _spans(v, step) for k, v in sorted(data.firing.items())}
     return data
+
+
+def _run_query(data: PanelData, q: Query, prom: Prometheus, start: float, end: float, step: float,
+               values: Mapping[str, str], style: Mapping[str, Any]) -> None:
+    """One query's series into ``data`` (heatmap buckets apart); a failed query is noted on the panel."""
+    try:
+        result = prom.query_range(expand(q.expr, values), start, end, step)
+    except PromError as e:
+        data.errors.append(f"{q.ref_id}: {e}")
+        return
+    for labels, pts in result:
+        pts = [(t, v) for t, v in pts if not math.isnan(v)]
+        if not pts:  # NaN all along (0/0 before any request): Grafana draws nothing and lists nothing
+            continue
+        s = Series(legend(q.legend, labels), labels, [t for t, _ in pts], [v for _, v in pts], q.ref_id, **style)
+        (data.heat if q.heatmap else data.series).append(s)
+
+
+def _firing(data: PanelData, names: Sequence[str], prom: Prometheus, start: float, end: float,
+            step: float) -> dict[str, list[tuple[float, float]]]:
+    """alertname -> the spans it fired in, for the alerts whose runbooks the panel links."""
+    expr = f'ALERTS{{alertstate="firing", alertname=~"{"|".join(sorted(names))}"}}'
+    firing: dict[str, list[tuple[float, float]]] = {}
+    try:
+        for labels, pts in prom.query_range(expr, start, end, step):
+            firing.setdefault(labels.get("alertname", "?"), []).extend(pts)
+    except PromError as e:
+        data.errors.append(f"ALERTS: {e}")
+    return {k: _spans(v, step) for k, v in sorted(firing.items())}
 
 
 def draw(data: PanelData, path: Path, start: float, end: float, step: float, subtitle: str) -> Path:
     """One PNG: the series, threshold lines, firing spans; a heatmap for heatmap panels."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.dates as mdates
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
-
-    def dt(t: float) -> Any:
-        return mdates.date2num(datetime.fromtimestamp(t, tz=timezone.utc))
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(11, 4.8), dpi=110)
     fig.suptitle(data.title, fontsize=13, fontweight="bold", x=0.01, ha="left")
     ax.set_title(subtitle, fontsize=8, color="#555555", loc="left")
+    handles = _shade_firing(ax, data, start, end)
+    if data.kind == "heatmap" and data.heat:
+        _heatmap(fig, ax, data, _dt)
+    else:
+        handles += _plot_series(ax, data, step)
+    _notes(ax, data)
+    _time_axis(ax, start, end)
+    _legend(ax, handles)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib  # lazy: drawing is the only use; importing the snapshot module stays light
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _dt(t: float) -> Any:
+    """Unix seconds as a matplotlib date number (UTC)."""
+    import matplotlib.dates as mdates  # lazy: drawing is the only use; importing the snapshot module stays light
+
+    return mdates.date2num(datetime.fromtimestamp(t, tz=timezone.utc))
+
+
+def _shade_firing(ax: Any, data: PanelData, start: float, end: float) -> list[Any]:
+    """Shade the spans where the panel's alerts fired; one legend handle per alert."""
     handles: list[Any] = []
     for name, spans in data.firing.items():
         for i, (a, b) in enumerate(spans):
-            span = ax.axvspan(dt(max(a, start)), dt(min(b, end)), color="#d62728", alpha=0.13, lw=0,
+            span = ax.axvspan(_dt(max(a, start)), _dt(min(b, end)), color="#d62728", alpha=0.13, lw=0,
                               label=f"firing: {name}" if i == 0 else None)
             if i == 0:
                 handles.append(span)
-    if data.kind == "heatmap" and data.heat:
-        _heatmap(fig, ax, data, dt)
-    else:
-        colors = _colors(data.series)
-        stacked: dict[float, float] = {}
-        for s in sorted(data.series, key=lambda s: (s.ref_id, s.label)):
-            if not s.times:
-                continue
-            xs = [dt(t) for t in s.times]
-            h: Any
-            if data.bars and not s.dashed:  # stacked, as the panel stacks them
-                bottom = [stacked.get(x, 0.0) for x in xs]
-                h = ax.bar(xs, s.values, width=step / 86400 * 0.9, bottom=bottom, color=colors[id(s)], alpha=0.85,
-                           label=s.label, align="center")
-                for x, b, v in zip(xs, bottom, s.values, strict=True):
-                    stacked[x] = b + v
-            else:
-                (h,) = ax.plot(xs, s.values, color=colors[id(s)], lw=s.width, ls=(0, (6, 4)) if s.dashed else "-",
-                               label=s.label, marker="o" if len(xs) == 1 else None, ms=3)
-            handles.append(h)
-        for value, color in data.lines:
-            h = ax.axhline(value, color=color, ls="--", lw=1.3, label=f"threshold {format_value(value, data.unit)}")
-            handles.append(h)
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: data.mappings.get(v, format_value(v, data.unit))))
-        if data.mappings:
-            ax.set_yticks(sorted(data.mappings))
-            lo, hi = min(data.mappings), max(data.mappings)
-            ax.set_ylim(lo - 0.1 * (hi - lo or 1), hi + 0.1 * (hi - lo or 1))
+    return handles
+
+
+def _plot_series(ax: Any, data: PanelData, step: float) -> list[Any]:
+    """Lines (bars stacked, as the panel stacks them), threshold lines and the y axis; the legend handles."""
+    colors = _colors(data.series)
+    stacked: dict[float, float] = {}
+    handles: list[Any] = []
+    for s in sorted(data.series, key=lambda s: (s.ref_id, s.label)):
+        if not s.times:
+            continue
+        xs = [_dt(t) for t in s.times]
+        h: Any
+        if data.bars and not s.dashed:
+            bottom = [stacked.get(x, 0.0) for x in xs]
+            h = ax.bar(xs, s.values, width=step / 86400 * 0.9, bottom=bottom, color=colors[id(s)], alpha=0.85,
+                       label=s.label, align="center")
+            for x, b, v in zip(xs, bottom, s.values, strict=True):
+                stacked[x] = b + v
         else:
-            _limits(ax, data, list(stacked.values()))
+            (h,) = ax.plot(xs, s.values, color=colors[id(s)], lw=s.width, ls=(0, (6, 4)) if s.dashed else "-",
+                           label=s.label, marker="o" if len(xs) == 1 else None, ms=3)
+        handles.append(h)
+    for value, color in data.lines:
+        handles.append(ax.axhline(value, color=color, ls="--", lw=1.3,
+                                  label=f"threshold {format_value(value, data.unit)}"))
+    _y_axis(ax, data, list(stacked.values()))
+    return handles
+
+
+def _y_axis(ax: Any, data: PanelData, stacked: list[float]) -> None:
+    """Values in the panel's unit, or its value mappings (UP / DOWN) as the ticks."""
+    from matplotlib.ticker import FuncFormatter  # lazy: drawing is the only use
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: data.mappings.get(v, format_value(v, data.unit))))
+    if not data.mappings:
+        _limits(ax, data, stacked)
+        return
+    ax.set_yticks(sorted(data.mappings))
+    lo, hi = min(data.mappings), max(data.mappings)
+    ax.set_ylim(lo - 0.1 * (hi - lo or 1), hi + 0.1 * (hi - lo or 1))
+
+
+def _notes(ax: Any, data: PanelData) -> None:
+    """"No data" as Grafana shows it, and the first query errors in red."""
     if not data.series and not data.heat:
         ax.text(0.5, 0.5, "No data", transform=ax.transAxes, ha="center", va="center", fontsize=16, color="#888888")
     for err in data.errors[:3]:
         ax.text(0.01, 0.02, err[:160], transform=ax.transAxes, fontsize=7, color="#d62728")
-    ax.set_xlim(dt(start), dt(end))
+
+
+def _time_axis(ax: Any, start: float, end: float) -> None:
+    import matplotlib.dates as mdates  # lazy: drawing is the only use
+
+    ax.set_xlim(_dt(start), _dt(end))
     ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S", tz=timezone.utc))
     ax.set_xlabel("time (UTC)", fontsize=8)
     ax.tick_params(labelsize=8)
     ax.grid(True, color="#e5e5e5", lw=0.6)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    if handles:
-        shown = handles[:MAX_LEGEND]
-        labels = [str(h.get_label()) for h in shown]
-        if len(handles) > MAX_LEGEND:
-            labels[-1] += f"  (+{len(handles) - MAX_LEGEND} more)"
-        ax.legend(shown, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16),
-                  ncol=min(3, len(shown)), frameon=False)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+
+
+def _legend(ax: Any, handles: list[Any]) -> None:
+    """Below the plot, at most MAX_LEGEND entries (the last says how many more)."""
+    if not handles:
+        return
+    shown = handles[:MAX_LEGEND]
+    labels = [str(h.get_label()) for h in shown]
+    if len(handles) > MAX_LEGEND:
+        labels[-1] += f"  (+{len(handles) - MAX_LEGEND} more)"
+    ax.legend(shown, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+              ncol=min(3, len(shown)), frameon=False)
 
 
 def _colors(series: list[Series]) -> dict[int, str]:
@@ -365,7 +419,7 @@ def _limits(ax: Any, data: PanelData, extra: list[float]) -> None:
 
 def _heatmap(fig: Any, ax: Any, data: PanelData, dt: Any) -> None:
     """Prometheus buckets (cumulative, one series per ``le``) -> counts per bucket and time."""
-    import numpy as np
+    import numpy as np  # lazy, as matplotlib: drawing is the only use
     from matplotlib.ticker import FuncFormatter
 
     by_le: dict[float, dict[float, float]] = {}
@@ -409,61 +463,36 @@ def render_panels(dashboard_json_path: str | Path, titles: Sequence[str] | None,
     Variables default to ``.*`` (all instances, pools, shapes); ``$__rate_interval`` is derived
     from the step and Prometheus's scrape interval as Grafana does.
     """
-    from stepwatch.alerts.thresholds import load as load_thresholds
-    from stepwatch.promapi import Prometheus
-
     th = thresholds or load_thresholds()
     d = load(dashboard_json_path)
     chosen = [panel(d, t) for t in titles] if titles else list(panels(d))
     t0, t1 = parse_time(start), parse_time(end)
     if t1 <= t0:
         raise ValueError(f"--to ({t1:.0f}) must be after --from ({t0:.0f})")
-    prom = Prometheus(prometheus_url)
-    scrape = scrape_interval(prom)
-    step = step or max(scrape, math.ceil((t1 - t0) / MAX_POINTS))
-    values = {v: ".*" for v in FILTER_VARS}
-    values.update(variables or {})
-    values["__rate_interval"] = fmt_duration(rate_interval(step, scrape))
-    chosen_vars = ", ".join(f"{k}={v}" for k, v in sorted(values.items()) if not k.startswith("__"))
-    span = f"{datetime.fromtimestamp(t0, tz=timezone.utc):%Y-%m-%d %H:%M:%S} to " \
-           f"{datetime.fromtimestamp(t1, tz=timezone.utc):%H:%M:%S} UTC"
-    out = Path(out_dir)
-    paths = []
-    for p in chosen:
-        data = fetch(p, prom, t0, t1, step, values, th)
-        subtitle = (f"{d.get('title')}  |  {span}  |  {chosen_vars}  |  rate interval "
-                    f"{values['__rate_interval']}  |  unit {data.unit}")
-        paths.append(draw(data, out / f"{slug(str(p.get('title')))}.png", t0, t1, step, subtitle))
+    with Prometheus(prometheus_url) as prom:
+        scrape = scrape_interval(prom)
+        step = step or max(scrape, math.ceil((t1 - t0) / MAX_POINTS))
+        values = _values(variables or {}, step, scrape)
+        head = _subtitle(str(d.get("title")), t0, t1, values)
+        paths = []
+        for p in chosen:
+            data = fetch(p, prom, t0, t1, step, values, th)
+            paths.append(draw(data, Path(out_dir) / f"{slug(str(p.get('title')))}.png", t0, t1, step,
+                              f"{head}  |  unit {data.unit}"))
     return paths
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # Let `--from -10m` parse like a negative number rather than an unknown option (`--from=-10m` always works).
-    if hasattr(parser, "_negative_number_matcher"):
-        parser._negative_number_matcher = re.compile(r"^-\d+(?:\.\d+)?(?:ms|s|m|h|d|w)?$")
-    parser.add_argument("--dashboard", type=Path, default=package_dir() / DEFAULT_DASHBOARD,
-                        help="dashboard JSON (default: the packaged overview)")
-    parser.add_argument("--panels", nargs="+", metavar="TITLE", default=None,
-                        help="panel titles (default: every panel)")
-    parser.add_argument("--from", dest="start", default="-1h", help="unix seconds, now-10m, -10m, ISO 8601")
-    parser.add_argument("--to", dest="end", default="now", help="unix seconds, now, ISO 8601")
-    parser.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus base URL")
-    parser.add_argument("--out", type=Path, required=True, help="directory for the PNGs")
-    parser.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
-                        help="a template variable's value (regex), e.g. pool=small (default .*)")
-    parser.add_argument("--step", type=float, default=None, help="query step in seconds (default: auto)")
+def _values(variables: Mapping[str, str], step: float, scrape: float) -> dict[str, str]:
+    """The dashboard variables' values (``.*`` unless given) and ``$__rate_interval`` as Grafana derives it."""
+    values = {v: ".*" for v in FILTER_VARS}
+    values.update(variables)
+    values["__rate_interval"] = fmt_duration(rate_interval(step, scrape))
+    return values
 
 
-def run(args: argparse.Namespace) -> int:
-    variables = {}
-    for item in args.var:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--var {item!r}: expected NAME=VALUE")
-        variables[name] = value
-    now = time.time()
-    paths = render_panels(args.dashboard, args.panels, args.prometheus, parse_time(args.start, now),
-                          parse_time(args.end, now), args.out, variables=variables, step=args.step)
-    for p in paths:
-        print(p)
-    return 0
+def _subtitle(dashboard_title: str, t0: float, t1: float, values: Mapping[str, str]) -> str:
+    """Which dashboard, time span, variables and rate interval a snapshot shows."""
+    chosen_vars = ", ".join(f"{k}={v}" for k, v in sorted(values.items()) if not k.startswith("__"))
+    span = (f"{datetime.fromtimestamp(t0, tz=timezone.utc):%Y-%m-%d %H:%M:%S} to "
+            f"{datetime.fromtimestamp(t1, tz=timezone.utc):%H:%M:%S} UTC")
+    return f"{dashboard_title}  |  {span}  |  {chosen_vars}  |  rate interval {values['__rate_interval']}"

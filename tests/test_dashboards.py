@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
+from stepwatch.alerts import promql
 from stepwatch.alerts.thresholds import Thresholds, default_path, load, parse
-from stepwatch.dashboards import generate, lint, model, snapshot
+from stepwatch.dashboards import cli_dashboards, cli_snapshot, generate, lint, model, snapshot
 
 DASHBOARDS = Path(generate.__file__).resolve().parent
 
@@ -46,21 +47,21 @@ def test_committed_json_is_what_the_generator_writes(th: Thresholds) -> None:
     assert set(texts) == {p.name for p in model.dashboard_files(DASHBOARDS)} == {"stepwatch-overview.json"}
     for name, text in texts.items():
         assert (DASHBOARDS / name).read_text() == text, f"{name} is stale: run `stepwatch dashboards generate`"
-    assert generate.run(_args(check=True)) == 0
+    assert cli_dashboards.run(_args(check=True)) == 0
 
 
 def test_check_names_the_file_that_differs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert generate.run(_args(out=tmp_path)) == 0
+    assert cli_dashboards.run(_args(out=tmp_path)) == 0
     path = tmp_path / generate.OVERVIEW_FILE
     assert json.loads(path.read_text())["uid"] == generate.OVERVIEW_UID
-    assert generate.run(_args(out=tmp_path, check=True)) == 0
+    assert cli_dashboards.run(_args(out=tmp_path, check=True)) == 0
     path.write_text(path.read_text().replace("Queue depth", "Queue depht"))
     capsys.readouterr()
-    assert generate.run(_args(out=tmp_path, check=True)) == 1
+    assert cli_dashboards.run(_args(out=tmp_path, check=True)) == 1
     err = capsys.readouterr().err
     assert f"{path}: differs from the generator" in err
     path.unlink()
-    assert generate.run(_args(out=tmp_path, check=True)) == 1
+    assert cli_dashboards.run(_args(out=tmp_path, check=True)) == 1
     assert f"{path}: missing" in capsys.readouterr().err
     assert not path.exists(), "--check must not write"
 
@@ -81,13 +82,14 @@ def test_cli_registration_and_light_import() -> None:
 
     argv = ["dashboards", "generate", "--check"]
     args = cli.build_parser(argv).parse_args(argv)
-    assert args.check and args._run is generate.run
+    assert args.check and args._run is cli_dashboards.run
     argv = ["snapshot", "--panels", "OOMs by stage and shape", "Queue depth, by pool", "--from", "-10m", "--to", "now",
             "--prometheus", "http://x:9090", "--out", "o", "--var", "pool=small"]
     args = cli.build_parser(argv).parse_args(argv)
-    assert args._run is snapshot.run and args.panels == ["OOMs by stage and shape", "Queue depth, by pool"]
+    assert args._run is cli_snapshot.run and args.panels == ["OOMs by stage and shape", "Queue depth, by pool"]
     assert args.start == "-10m" and args.var == ["pool=small"]
-    code = ("import sys, stepwatch.dashboards.generate, stepwatch.dashboards.snapshot, stepwatch.dashboards.lint;"
+    code = ("import sys, stepwatch.dashboards.generate, stepwatch.dashboards.snapshot, stepwatch.dashboards.lint,"
+            " stepwatch.dashboards.cli_dashboards, stepwatch.dashboards.cli_snapshot;"
             "heavy = [m for m in ('grafana_foundation_sdk', 'matplotlib', 'numpy') if m in sys.modules];"
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -95,6 +97,30 @@ def test_cli_registration_and_light_import() -> None:
 
 
 # ----- content ----------------------------------------------------------------------------------
+
+# An alert whose panel sits with another subsystem's rows, and where (asserted exactly, so it stays true).
+PANEL_ELSEWHERE = {"nonfinite_outputs": "quality"}  # a service alert about the images: next to the PSNR panels
+
+
+def test_rows_follow_the_subsystems_and_hold_their_alerts_panels(th: Thresholds, overview: dict[str, Any]) -> None:
+    from stepwatch.alerts.thresholds import SUBSYSTEMS
+    from stepwatch.dashboards.board import Board
+    from stepwatch.dashboards.overview import ROWS
+
+    assert tuple(ROWS) == SUBSYSTEMS == ("service", "pipeline", "quality", "monitoring")
+    titles: dict[str, set[str]] = {}
+    for subsystem, rows in ROWS.items():
+        b = Board(th)
+        for row in rows:
+            row(b)
+        titles[subsystem] = {item.build().title for kind, item in b.items if kind == "panel"}
+    rows = [p["title"] for p in model.panels(overview, rows=True) if p["type"] == "row"]
+    assert rows[0] == "Alerts" and len(rows) == 1 + sum(len(r) for r in ROWS.values())
+    for key, spec in th.alerts.items():
+        where = PANEL_ELSEWHERE.get(key, spec.labels["subsystem"])
+        assert spec.panel in titles[where], f"{spec.name}: panel {spec.panel!r} is not in a {where} row"
+    assert all(th.alert(k).labels["subsystem"] != where for k, where in PANEL_ELSEWHERE.items())
+
 
 def test_generated_dashboard_passes_the_lint(th: Thresholds, overview: dict[str, Any]) -> None:
     assert lint.lint(overview, th) == []
@@ -238,7 +264,8 @@ def test_lint_alert_panel_and_duplicate_titles(th: Thresholds, overview: dict[st
 
 
 def test_metric_refs_and_first_event_idiom() -> None:
-    expr = generate.events('stepwatch_oom_total{instance=~"$instance", shape=~"$shape"}', "job, instance, shape")
+    expr = promql.events('stepwatch_oom_total{instance=~"$instance", shape=~"$shape"}', "$__rate_interval",
+                         by="job, instance, shape")
     assert {n for n, _ in lint.metric_refs(expr)} == {"stepwatch_oom_total", "up"}
     kinds = {"stepwatch_oom_total": "counter"}
     assert lint.lint_expr(expr, {"stepwatch_oom_total", "up"}, kinds, {"instance", "shape"}) == []
@@ -443,7 +470,7 @@ def test_live_every_panel_query_returns_data(live_stack: Any, overview: dict[str
     # next request can overwrite it before a scrape).
     mp = th.alert("memory_pressure")
     assert peak(results[(mp.panel, "A")]) > mp.threshold
-    assert peak(results[(f"Requests above {generate.pct(mp.threshold)} of memory", "A")]) > 0.5
+    assert peak(results[(f"Requests above {promql.pct(mp.threshold)} of memory", "A")]) > 0.5
     firing = {labels["alertname"] for labels, _ in results[("Firing stepwatch alerts", "A")]}
     assert {"StepwatchOutOfMemory", "StepwatchServingRecompile", "StepwatchMemoryPressure"} <= firing
     # Baselines, bands and the quality gate are real lines next to real data.

@@ -1,0 +1,456 @@
+"""The on-call overview board: the "Alerts" row, then one function per row, grouped by subsystem.
+
+``ROWS`` maps each subsystem of ``stepwatch.alerts.thresholds.SUBSYSTEMS`` to its row functions,
+and ``overview()`` lays them out in that order, so the board reads as the alerts are grouped
+(what users see, the pipeline behind it, the output, the monitoring itself).  Adding a panel for
+a new alert means adding it to its subsystem's row function: first in the row when it is the
+alert's "open this panel first" (its ``panel:`` in alerts/thresholds.yaml).
+
+Every query is built from the PromQL vocabulary of ``stepwatch.alerts.promql``; every number in a
+line, band or title comes from the thresholds source, never a literal here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client.utils import floatToGoString
+
+from stepwatch.alerts.promql import (
+    above_bucket,
+    cache_hit_ratio,
+    device_peak_flops,
+    events,
+    mean_step_time,
+    num,
+    pct,
+    quantile,
+    ratio_of_rates,
+    ratio_to_fastest,
+    sel,
+    sum_increase,
+    sum_rate,
+)
+from stepwatch.alerts.thresholds import ALERT_PREFIX, SUBSYSTEMS, Thresholds
+from stepwatch.dashboards.board import F_INSTANCE, F_POOL, F_SHAPE, GREEN, RED, Board, T
+
+OVERVIEW_UID = "stepwatch-overview"
+RATE = "$__rate_interval"
+INST = F_INSTANCE  # every query filters by the instance variable
+
+Row = Callable[[Board], None]
+
+
+def diagnosis(th: Thresholds, key: str) -> float | None:
+    """A number of the thresholds' diagnosis section, or None when the file does not define it."""
+    v = th.diagnosis.get(key)
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+# ----- the alerts row (first, whatever the subsystem) ----------------------------------------------
+
+def alerts_row(b: Board) -> None:
+    b.row("Alerts")
+    b.timeseries(
+        "Firing stepwatch alerts", """Stepwatch alerts firing, per alert: how many label sets (instances,
+        shapes, pools, ...) fire. Healthy: empty. Each alert names the panel to open first; the runbook links
+        are on those panels.""", "short",
+        [T(f'sum by (alertname, severity) (ALERTS{{alertstate="firing", alertname=~"{ALERT_PREFIX}.*"}})',
+           "{{alertname}} ({{severity}})")], min_=0, decimals=0, span=24, height=6, no_value="none firing")
+
+
+# ----- service ------------------------------------------------------------------------------------
+
+def traffic_row(b: Board) -> None:
+    er = b.th.alert("error_ratio")
+    sreq = sel("stepwatch_service_requests_total", INST, F_POOL)
+    b.row("Traffic and latency")
+    b.timeseries(
+        "Requests by pool and code", """Generation requests per second by pool and HTTP code. Healthy: all 200;
+        429 = queue past its hard limit, 503 = warming up or worker restarting, 507 = out of memory.""",
+        "reqps", [T(sum_rate(sreq, RATE, "pool, code"), "{{pool}} {{code}}")], min_=0)
+    b.timeseries(
+        er.panel, """Share of generation requests answered 5xx, per pool (0 when none failed). Healthy: 0.""",
+        "percentunit",
+        [T(ratio_of_rates(sel("stepwatch_service_requests_total", INST, F_POOL, 'code=~"5.."'), sreq, RATE,
+                          "job, pool", zero_fill=True), "{{pool}}")],
+        alerts=["error_ratio"], lines=[(er.threshold, RED)], min_=0)
+    lat = sel("stepwatch_service_request_duration_seconds_bucket", INST, F_POOL)
+    b.timeseries(
+        "Latency p50 / p99, by pool", """End-to-end latency (queue + work) of generation requests per pool,
+        with the pool's latency SLO dashed. Healthy: p99 under the SLO. p99 up with p50 flat = a few slow
+        requests (serving recompiles, a queue backlog in one pool).""", "s",
+        [T(quantile(0.5, lat, RATE, "pool"), "{{pool}} p50"), T(quantile(0.99, lat, RATE, "pool"), "{{pool}} p99"),
+         T(f"max by (pool) ({sel('stepwatch_queue_slo_seconds', INST, F_POOL)})", "{{pool}} SLO", "ref")],
+        min_=0, span=24)
+
+
+def queue_row(b: Board) -> None:
+    qw = b.th.alert("queue_wait")
+    b.row("Queue")
+    b.timeseries(
+        qw.panel, f"""Estimated queue wait (GPU-seconds of queued work / workers) as a share of the pool's
+        latency SLO. Healthy: well under {pct(qw.threshold)}; above it, scale out (a cold start takes minutes:
+        weights + compile).""", "percentunit",
+        [T(sel("instance_pool:stepwatch_queue_estimated_wait_seconds:slo_ratio", INST, F_POOL),
+           "{{pool}} @ {{instance}}")],
+        alerts=["queue_wait"], lines=[(qw.threshold, RED)], min_=0)
+    qwait = sel("stepwatch_queue_wait_seconds_bucket", INST, F_POOL)
+    b.timeseries(
+        f"Estimated queue wait vs SLO x {num(qw.threshold)}, by pool", f"""Estimated queue wait in seconds and
+        the scale-out line (SLO x {num(qw.threshold)}, dashed red), with the measured p99 wait of the requests
+        that left the queue. Healthy: the estimate stays under the dashed line.""", "s",
+        [T(sel("stepwatch_queue_estimated_wait_seconds", INST, F_POOL), "{{pool}} estimated @ {{instance}}"),
+         T(quantile(0.99, qwait, RATE, "pool"), "{{pool}} measured p99"),
+         T(f"{sel('stepwatch_queue_slo_seconds', INST, F_POOL)} * {num(qw.threshold)}",
+           f"{{{{pool}}}} scale out (SLO x {num(qw.threshold)})", "limit")],
+        alerts=["queue_wait"], min_=0)
+    b.timeseries(
+        "Queue depth, by pool", """Requests waiting for a worker, per pool. Healthy: 0 to a few. Depth alone
+        is not the signal (a 2048² request weighs ~16x a 512² one); the estimated wait is.""", "short",
+        [T(sel("stepwatch_queue_depth", INST, F_POOL), "{{pool}} @ {{instance}}")], min_=0, decimals=0,
+        span=24, height=6)
+
+
+# ----- pipeline -----------------------------------------------------------------------------------
+
+def denoising_row(b: Board) -> None:
+    b.row("Denoising: step time, stages, MFU")
+    _step_time_panels(b)
+    _mfu_panels(b)
+    b.timeseries(
+        "Stage time per request (text_encode / denoise / vae_decode)", """Mean seconds per request in each
+        stage, per shape. Healthy: denoise dominates (~97% on a GPU); text_encode is small and flat; vae_decode
+        is short but the memory peak.""", "s",
+        [T(ratio_of_rates(sel("stepwatch_pipeline_stage_duration_seconds_sum", INST, F_SHAPE),
+                          sel("stepwatch_pipeline_stage_duration_seconds_count", INST, F_SHAPE), RATE, "shape, stage"),
+           "{{shape}} {{stage}}")], min_=0, span=24)
+
+
+def _step_time_panels(b: Board) -> None:
+    st = b.th.alert("step_time_regression")
+    step_mean = mean_step_time(RATE, "job, instance, shape", INST, F_SHAPE)
+    base = sel("stepwatch_baseline_step_duration_seconds", INST, F_SHAPE)
+    b.timeseries(
+        st.panel, f"""Mean time of one denoising step (all CFG branches) per shape, and each shape's alert line:
+        its baseline x {num(st.threshold)} (dashed red). Healthy: every shape under its line. Above it: check
+        rank skew, GPU clocks and temperature, other processes, compile disabled.""", "s",
+        [T(step_mean, "{{shape}} @ {{instance}}"),
+         T(f"{base} * {num(st.threshold)}", f"{{{{shape}}}} alert (baseline x {num(st.threshold)})", "limit")],
+        alerts=["step_time_regression"], min_=0)
+    b.timeseries(
+        "Per-step time / baseline, by shape", f"""Per-step time as a share of the shape's baseline (what the
+        step-time alert compares). Healthy: about 100%; the alert line is {pct(st.threshold)}.""",
+        "percentunit",
+        [T(f"(\n{step_mean}\n)\n/ on (job, instance, shape)\n  ({base} > 0)", "{{shape}} @ {{instance}}")],
+        alerts=["step_time_regression"], lines=[(st.threshold, RED)], min_=0)
+
+
+def _mfu_panels(b: Board) -> None:
+    achieved = ratio_of_rates(sel("stepwatch_ledger_flops_total", INST, F_SHAPE),
+                              sel("stepwatch_pipeline_step_duration_seconds_sum", INST, F_SHAPE), RATE,
+                              "job, instance, shape")
+    peak = device_peak_flops(INST)
+    mfu_floor = diagnosis(b.th, "mfu_floor")
+    floor_text = (f"below {num(mfu_floor)} (dashed) suspect eager mode or compile off" if mfu_floor is not None
+                  else "well below that, suspect eager mode or compile off")
+    b.timeseries(
+        "MFU, by shape", f"""Model FLOPs utilization from the FLOPs ledger: nominal denoising FLOPs / step
+        seconds / the device's dense peak FLOP/s, over the interval and for the last request. GPU-Util says
+        nothing here; this does. Healthy on a compiled DiT: ~0.5 (seeds: eager ~0.31, compiled ~0.49);
+        {floor_text}. Empty where the device peak is unknown (CPU).""", "percentunit",
+        [T(f"(\n{achieved}\n)\n/ on (job, instance) group_left\n  {peak}", "{{shape}} @ {{instance}}"),
+         T(f"{sel('stepwatch_ledger_mfu_ratio', INST, F_SHAPE)} > 0", "{{shape}} last request")],
+        lines=[(mfu_floor, "orange")] if mfu_floor is not None else [], min_=0, max_=1)
+    b.timeseries(
+        "Achieved FLOP/s vs device peak, by shape", """Nominal denoising FLOPs per second of denoising time
+        (the ledger's numerator of MFU) and the device's dense peak (dashed). Healthy: a stable fraction of
+        the peak per shape; a drop at the same shape = the same work ran slower.""", "flops",
+        [T(achieved, "{{shape}} @ {{instance}}"), T(peak, "device peak @ {{instance}}", "ref")], min_=0)
+
+
+def compile_row(b: Board) -> None:
+    b.row("Compile")
+    b.timeseries(
+        b.th.alert("recompile").panel, """torch.compile compilations while serving, per shape that triggered
+        them, per interval. Healthy: none after warm-up. A bar = requests of that shape waited for a compile
+        (p99 up, p50 flat): add the shape to the warm-up list.""", "short",
+        [T(events(sel("stepwatch_compile_total", INST, F_SHAPE, 'phase="serving"'), RATE, by="job, instance, shape"),
+           "{{shape}} @ {{instance}}")],
+        alerts=["recompile"], bars=True, min_=0, decimals=0, no_value="0")
+    b.timeseries(
+        "Compile seconds, by shape and phase", """Seconds spent compiling per interval, by the shape that
+        triggered it and the phase (warmup at start, serving after). Healthy: warmup only, at start.""", "s",
+        [T(events(sel("stepwatch_compile_duration_seconds_sum", INST, F_SHAPE), RATE,
+                  by="job, instance, shape, phase"), "{{shape}} {{phase}}")], bars=True, min_=0, no_value="0")
+
+
+def cache_row(b: Board) -> None:
+    ch = b.th.alert("cache_hit_rate_shift")
+    hbase = sel("stepwatch_baseline_cache_hit_ratio", INST, F_SHAPE)
+    b.row("Cross-step cache")
+    b.timeseries(
+        ch.panel, f"""Share of transformer calls that reused the cached residual, per shape, inside its baseline
+        band: baseline x (1 ± {num(ch.threshold)}) (dashed red). Healthy: inside the band (a fixed deployment
+        has a stable hit rate per shape). Above: quality at risk (check the PSNR row); below: speed lost;
+        any hits on a distilled few-step model are wrong.""", "percentunit",
+        [T(cache_hit_ratio(RATE, "job, instance, shape", INST, F_SHAPE), "{{shape}} @ {{instance}}"),
+         T(f"{hbase} * {num(1 - ch.threshold)}", f"{{{{shape}}}} band low (x {num(1 - ch.threshold)})", "limit"),
+         T(f"{hbase} * {num(1 + ch.threshold)}", f"{{{{shape}}}} band high (x {num(1 + ch.threshold)})",
+           "limit")],
+        alerts=["cache_hit_rate_shift"], min_=0, max_=1)
+    late = diagnosis(b.th, "late_hit_position")
+    late_text = f"Hits past {pct(late)} blur details." if late is not None else "Late hits blur details."
+    pos = sel("stepwatch_cache_hit_position_ratio_bucket", INST, F_SHAPE)
+    b.heatmap(
+        "Cache hit positions (step / steps)", f"""Where in the denoising trajectory cache hits land (0 = first
+        step, 1 = last), hits per interval. Healthy: in the middle; first and last steps are always computed.
+        {late_text}""", "percentunit",
+        T(sum_increase(pos, RATE, "le"), "{{le}}", heatmap=True), alerts=["cache_hit_rate_shift"])
+    b.timeseries(
+        "Late cache hits: p90 hit position, by shape", f"""90th percentile of where hits land in the trajectory.
+        Healthy: in the middle of the trajectory; late hits blur details (threshold too high). {late_text}""",
+        "percentunit", [T(quantile(0.9, pos, RATE, "job, instance, shape"), "{{shape}} @ {{instance}}")],
+        lines=[(late, "orange")] if late is not None else [], min_=0, max_=1, span=24, height=6)
+
+
+def ranks_row(b: Board) -> None:
+    rk = b.th.alert("rank_skew")
+    per_step = ratio_of_rates(sel("stepwatch_rank_busy_seconds_total", INST), sel("stepwatch_rank_steps_total", INST),
+                              RATE, "job, instance, rank")
+    b.row("Ranks (sequence parallel)")
+    b.timeseries(
+        rk.panel, f"""Each rank's busy time per step (step time minus collective waits) over the interval,
+        as a share of the fastest rank's, and the last request's ratio (what the alert reads). Healthy: all
+        ranks near 100%; the alert line is {pct(1 + rk.threshold)}. Every step waits for the slowest rank:
+        check that GPU's clock, temperature, processes and link.""", "percentunit",
+        [T(ratio_to_fastest(per_step), "rank {{rank}} @ {{instance}}"),
+         T(sel("instance_rank:stepwatch_rank_step_duration_seconds:ratio_to_fastest", INST),
+           "rank {{rank}} last request")],
+        alerts=["rank_skew"], lines=[(1 + rk.threshold, RED)], min_=0)
+    b.timeseries(
+        "Per-rank busy time per step", """Seconds each rank works per denoising step (over the interval) and
+        each rank's mean step time in the last request. Healthy: ranks equal. Empty with one rank.""", "s",
+        [T(per_step, "rank {{rank}} busy/step @ {{instance}}"),
+         T(sel("stepwatch_rank_step_duration_seconds", INST), "rank {{rank}} last request")],
+        alerts=["rank_skew"], min_=0)
+
+
+def memory_row(b: Board) -> None:
+    mp = b.th.alert("memory_pressure")
+    peak_req = sel("stepwatch_memory_peak_bytes", INST, 'stage="request"')
+    b.row("Memory and OOM")
+    b.timeseries(
+        mp.panel, f"""Peak memory of requests / the device's capacity: the largest request in the interval (to
+        the histogram's bucket bound, so every request counts, whatever the scrape interval; one outlier
+        among hundreds is what the alert is about, so no percentile) and the last request (a gauge: the next
+        request may overwrite an outlier before a scrape). Healthy: under {pct(mp.threshold)} (dashed); above
+        it the next larger request may OOM; above 100% is an OOM's failed demand.""", "percentunit",
+        [T(quantile(1, sel("stepwatch_memory_peak_ratio_bucket", INST), RATE, "job, instance, device"),
+           "{{device}} largest request @ {{instance}}"),
+         T(f"  max by (job, instance, device) ({peak_req})\n"
+           f"/\n  max by (job, instance, device) ({sel('stepwatch_memory_capacity_bytes', INST)} > 0)",
+           "{{device}} last request")],
+        alerts=["memory_pressure"], lines=[(mp.threshold, RED)], min_=0)
+    b.timeseries(
+        f"Requests above {pct(mp.threshold)} of memory", f"""Requests per interval whose peak memory passed
+        {pct(mp.threshold)} of capacity (what the memory alert counts). Healthy: none.""", "short",
+        [T(above_bucket("stepwatch_memory_peak_ratio", floatToGoString(mp.threshold), RATE,
+                        "job, instance, device", INST), "{{device}} @ {{instance}}")],
+        alerts=["memory_pressure"], bars=True, min_=0)
+    _memory_by_stage_and_oom(b)
+
+
+def _memory_by_stage_and_oom(b: Board) -> None:
+    mp = b.th.alert("memory_pressure")
+    cap = sel("stepwatch_memory_capacity_bytes", INST)
+    b.timeseries(
+        "Peak memory by stage", f"""Peak memory of the last request in each stage (on an OOM: the demand that
+        failed), with the capacity and {pct(mp.threshold)} of it (dashed). Healthy: vae_decode is the peak and
+        stays under the red line; untiled VAE decode at high resolution is the usual OOM.""", "bytes",
+        [T(f"max by (instance, device, stage) ({sel('stepwatch_memory_peak_bytes', INST)})",
+           "{{device}} {{stage}}"),
+         T(cap, "{{device}} capacity", "ref"),
+         T(f"{cap} * {num(mp.threshold)}", f"{{{{device}}}} {pct(mp.threshold)} of capacity", "limit")],
+        min_=0)
+    b.timeseries(
+        b.th.alert("oom").panel, """Requests that failed with out-of-memory per interval, by the stage that
+        was running and the shape (the first OOM of a shape included). Healthy: none. vae_decode at high
+        resolution = VAE tiling off; the instance keeps serving other shapes.""", "short",
+        [T(events(sel("stepwatch_oom_total", INST, F_SHAPE), RATE, by="job, instance, shape, stage"),
+           "{{stage}} {{shape}} @ {{instance}}")],
+        alerts=["oom"], bars=True, min_=0, decimals=0, no_value="0")
+
+
+# ----- quality ------------------------------------------------------------------------------------
+
+def quality_row(b: Board) -> None:
+    b.row("Output quality")
+    _similarity_panels(b)
+    _probe_panels(b)
+    b.stat(
+        b.th.alert("baseline_stale").panel, """Whether each probe set's baseline loaded with matching checksums
+        (ok) and matches this deployment's fingerprint (stale = captured on another deployment: no PSNR is
+        reported until it is rebuilt with `stepwatch baseline capture`). Healthy: ok 1, stale 0.""", "none",
+        [T(sel("stepwatch_quality_baseline_stale", INST), "{{probe_set}} stale"),
+         T(sel("stepwatch_quality_baseline_ok", INST), "{{probe_set}} baseline ok")],
+        alerts=["baseline_stale"], span=12, height=8)
+    b.timeseries(
+        b.th.alert("nonfinite_outputs").panel, """Images that came out NaN/Inf or all black per interval, by
+        pool (the first one included). Healthy: none. Check FP8 and which layers (outliers saturating
+        per-tensor scales).""", "short",
+        [T(events(sel("stepwatch_service_images_nonfinite_total", INST, F_POOL), RATE, by="job, instance, pool"),
+           "{{pool}} @ {{instance}}")],
+        alerts=["nonfinite_outputs"], bars=True, min_=0, decimals=0, no_value="0")
+
+
+def _similarity_panels(b: Board) -> None:
+    qd = b.th.alert("quality_drop")
+    psnr = "stepwatch_quality_psnr_decibels"
+    gate = sel("stepwatch_quality_gate_decibels", INST)
+    b.timeseries(
+        qd.panel, f"""PSNR of the fixed probe set (prompt x seed) against the baseline images: p10 and p50 per
+        probe set and target instance, the probe set's gate (dashed blue) and the alert line, gate -
+        {num(qd.threshold)} dB (dashed red). Healthy: above the gate (> 35 dB invisible, 30-35 visible on a
+        close look, < 28 obvious). A drop with normal performance panels: deployment fingerprint vs baseline,
+        cache hit rate, PSNR by instance.""", "dB",
+        [T(sel(psnr, INST, 'quantile="p10"'), "{{probe_set}} p10 ({{instance_id}})"),
+         T(sel(psnr, INST, 'quantile="p50"'), "{{probe_set}} p50 ({{instance_id}})"),
+         T(gate, "{{probe_set}} gate", "ref"),
+         T(f"{gate} - {num(qd.threshold)}", f"{{{{probe_set}}}} alert (gate - {num(qd.threshold)} dB)", "limit")],
+        alerts=["quality_drop"])
+    ssim_gate = b.th.quality.ssim_gate["image"]
+    b.timeseries(
+        "Probe SSIM p10 / p50", f"""Structural similarity of the probe images against the baseline. Healthy:
+        above {num(ssim_gate)} for images (dashed; video {num(b.th.quality.ssim_gate.get('video', ssim_gate))}).
+        """, "none",
+        [T(sel("stepwatch_quality_ssim_ratio", INST, 'quantile=~"p10|p50"'),
+           "{{probe_set}} {{quantile}} ({{instance_id}})")],
+        lines=[(ssim_gate, "orange")], decimals=3)
+
+
+def _probe_panels(b: Board) -> None:
+    pf = b.th.alert("probe_failing")
+    b.timeseries(
+        pf.panel, """Probe sets completed and probe requests failed per interval, by reason. Healthy: runs
+        at the probe cadence, no failures. While failing, quality is unwatched.""", "short",
+        [T(sum_increase(sel("stepwatch_quality_probe_runs_total", INST), RATE, "job, instance, probe_set"),
+           "{{probe_set}} runs"),
+         T(sum_increase(sel("stepwatch_quality_probe_failures_total", INST), RATE, "job, instance, probe_set, reason"),
+           "{{probe_set}} failed: {{reason}}")],
+        alerts=["probe_failing"], min_=0)
+    missed = int(pf.extra.get("missed_probes", 3))
+    b.timeseries(
+        "Time since the last successful probe", f"""Seconds since the probe set last completed, against
+        {missed} probe intervals (dashed red: the probe-failing alert's clock). Healthy: a sawtooth under the
+        line.""", "s",
+        [T(f"time() - ({sel('stepwatch_quality_last_success_timestamp_seconds', INST)} > 0)",
+           "{{probe_set}} @ {{instance}}"),
+         T(f"{missed} * {sel('stepwatch_quality_probe_interval_seconds', INST)}",
+           f"{{{{probe_set}}}} alert ({missed} intervals)", "limit")],
+        alerts=["probe_failing"], min_=0)
+
+
+# ----- monitoring ---------------------------------------------------------------------------------
+
+def health_row(b: Board) -> None:
+    b.row("Health: scrape targets, exporter, sidecar, GPUs")
+    _stepwatch_health_panels(b)
+    _gpu_memory_and_load_panels(b)
+    _gpu_clock_and_error_panels(b)
+
+
+def _stepwatch_health_panels(b: Board) -> None:
+    up = {"0": ("DOWN", RED), "1": ("UP", GREEN)}
+    b.stat(
+        b.th.alert("target_down").panel, """Whether Prometheus can scrape each stepwatch target (service and
+        sidecar). Healthy: all UP. A DOWN target blinds every alert that reads it.""", "none",
+        [T(sel("up", f'job=~"{b.th.job_regex}"', INST), "{{job}} {{instance}}")],
+        alerts=["target_down"], mappings=up)
+    b.timeseries(
+        b.th.alert("exporter_errors").panel, """Errors inside stepwatch's own hooks per interval, by component
+        (the first one included). The pipeline never sees them, but that hook's signals are missing or wrong.
+        Healthy: none.""", "short",
+        [T(events(sel("stepwatch_exporter_errors_total", INST), RATE, by="job, instance, component"),
+           "{{component}} @ {{instance}}")],
+        alerts=["exporter_errors"], bars=True, min_=0, decimals=0, no_value="0", span=6, height=6)
+    b.stat(
+        "Worker and NVML up", """Worker process alive, service warmed up, and the sidecar's NVML collector
+        answering. Healthy: all 1 (NVML is 0 on a machine without a GPU, and the GPU panels are then
+        empty).""", "none",
+        [T(sel("stepwatch_worker_up", INST), "worker up {{instance}}"),
+         T(sel("stepwatch_service_ready", INST), "ready {{instance}}"),
+         T(sel("stepwatch_nvml_up", INST), "NVML up {{instance}}")],
+        mappings=up)
+    b.timeseries(
+        "Worker restarts", """Worker processes restarted after dying, per interval. Healthy: none; each
+        restart fails its in-flight requests and costs a warm-up.""", "short",
+        [T(sum_increase(sel("stepwatch_worker_restarts_total", INST), RATE, "instance"), "{{instance}}")],
+        bars=True, min_=0, span=6, height=6)
+
+
+def _gpu_memory_and_load_panels(b: Board) -> None:
+    mp = b.th.alert("memory_pressure")
+    total = sel("stepwatch_gpu_memory_total_bytes", INST)
+    b.timeseries(
+        "GPU memory used / total (NVML)", f"""Device memory in use per GPU as NVML sees it (all processes),
+        with the total and {pct(mp.threshold)} of it. Healthy: stable; a climb without traffic = another
+        process or a leak.""", "bytes",
+        [T(sel("stepwatch_gpu_memory_used_bytes", INST), "GPU {{gpu}} used @ {{instance}}"),
+         T(total, "GPU {{gpu}} total", "ref"),
+         T(f"{total} * {num(mp.threshold)}", f"GPU {{{{gpu}}}} {pct(mp.threshold)}", "limit")], min_=0)
+    b.timeseries(
+        "GPU utilization (NVML)", """Share of time a kernel ran. Says nothing about efficiency (eager FLUX shows
+        ~100% at MFU 0.31): read MFU for that. Healthy: high while serving.""", "percentunit",
+        [T(sel("stepwatch_gpu_utilization_ratio", INST), "GPU {{gpu}} @ {{instance}}")], min_=0, max_=1)
+
+
+def _gpu_clock_and_error_panels(b: Board) -> None:
+    b.timeseries(
+        "GPU SM clock and throttling", """SM clock per GPU, and 1 while a clock throttle reason is active.
+        Healthy: clocks flat at the application clock, no throttle; one GPU lower = the straggler rank's
+        GPU.""", "hertz",
+        [T(sel("stepwatch_gpu_sm_clock_hertz", INST), "GPU {{gpu}} @ {{instance}}"),
+         T(f"{sel('stepwatch_gpu_throttle_active', INST)} == 1", "GPU {{gpu}} throttled: {{reason}}")],
+        min_=0)
+    b.timeseries(
+        "GPU temperature", """Temperature per GPU. Healthy: steady under the slowdown temperature; a hot GPU
+        throttles its clock and drags its rank.""", "celsius",
+        [T(sel("stepwatch_gpu_temperature_celsius", INST), "GPU {{gpu}} @ {{instance}}")], min_=0)
+    b.timeseries(
+        "GPU power", """Power draw per GPU. Healthy: high and steady while serving; a GPU at its power limit
+        with a lower clock is power-throttled.""", "watt",
+        [T(sel("stepwatch_gpu_power_watts", INST), "GPU {{gpu}} @ {{instance}}")], min_=0)
+    b.timeseries(
+        "GPU XID and NVML read errors", """XID errors reported by NVML events and failed NVML reads per GPU
+        per interval. Healthy: none; an XID usually means a driver or hardware fault on that GPU.""", "short",
+        [T(sum_increase(sel("stepwatch_gpu_xid_errors_total", INST), RATE, "instance, gpu"), "GPU {{gpu}} XID"),
+         T(sum_increase(sel("stepwatch_gpu_read_errors_total", INST), RATE, "instance, gpu"),
+           "GPU {{gpu}} read errors")], bars=True, min_=0)
+
+
+# ----- the board ----------------------------------------------------------------------------------
+
+# Each subsystem's rows, in the order they appear; the subsystems in SUBSYSTEMS order.
+ROWS: dict[str, list[Row]] = {
+    "service": [traffic_row, queue_row],
+    "pipeline": [denoising_row, compile_row, cache_row, ranks_row, memory_row],
+    "quality": [quality_row],
+    "monitoring": [health_row],
+}
+
+
+def overview(th: Thresholds) -> dict[str, Any]:
+    """The on-call overview: the firing alerts, then each subsystem's rows, each alert's panel first in its row."""
+    b = Board(th)
+    alerts_row(b)
+    for subsystem in SUBSYSTEMS:
+        for row in ROWS[subsystem]:
+            row(b)
+    return b.build(
+        OVERVIEW_UID, "stepwatch: diffusion inference overview",
+        "On-call overview of diffusion-model inference: traffic, queue, per-step time, stages, MFU, "
+        "recompiles, cross-step cache, ranks, memory and OOMs, output quality, and the health of the "
+        "exporter, sidecar and GPUs. Generated by `stepwatch dashboards generate`; do not edit in Grafana.",
+        ["stepwatch", "diffusion", "generated"])
