@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "capture": ("stepwatch.exporter.sidecar.capture", "store quality baseline images with the fingerprint"),
     },
     "rules": {
-        "generate": ("stepwatch.alerts.generate", "write Prometheus rules, PrometheusRule and stack configs"),
+        "generate": ("stepwatch.alerts.cli_rules", "write Prometheus rules, PrometheusRule and stack configs"),
     },
     "dashboards": {
         "generate": ("stepwatch.dashboards.cli_dashboards", "write the Grafana dashboards JSON"),

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import re
 import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
-from stepwatch.alerts import generate, gotemplate, promql, promtests, rulegen, stack
+from stepwatch import httpclient
+from stepwatch.alerts import cli_rules, generate, gotemplate, promql, promtests, rulegen, stack
 from stepwatch.alerts.thresholds import SEVERITIES, ThresholdsError, load, parse
 from stepwatch.catalog import MEMORY_RATIO_BUCKETS, series_names
 from tests.conftest import need_tool
@@ -70,32 +70,32 @@ def _copy_tree(tmp: Path) -> Path:
 def test_check_mode_names_the_stale_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = _copy_tree(tmp_path)
     args = argparse.Namespace(check=True, thresholds=None, root=str(root))
-    assert generate.run(args) == 0
+    assert cli_rules.run(args) == 0
     rules = root / "alerts/rules/stepwatch-drill.rules.yml"
     rules.write_text(rules.read_text().replace("> 1.2", "> 1.25"))
     rb = root / "runbooks/rank-skew.md"
     rb.write_text(rb.read_text().replace("| Threshold |", "| Limit |"))
     capsys.readouterr()
-    assert generate.run(args) == 1
+    assert cli_rules.run(args) == 1
     err = capsys.readouterr().err
     assert "alerts/rules/stepwatch-drill.rules.yml: differs from the generator" in err
     assert "runbooks/rank-skew.md: differs" in err
     assert "production.rules.yml" not in err
     # Writing repairs exactly those files; the check passes again.
-    assert generate.run(argparse.Namespace(check=False, thresholds=None, root=str(root))) == 0
+    assert cli_rules.run(argparse.Namespace(check=False, thresholds=None, root=str(root))) == 0
     assert "wrote alerts/rules/stepwatch-drill.rules.yml" in capsys.readouterr().out
-    assert generate.run(args) == 0
+    assert cli_rules.run(args) == 0
 
 
 def test_cli_is_registered_and_light() -> None:
     from stepwatch.cli import COMMANDS
 
     rules = COMMANDS["rules"]
-    assert isinstance(rules, dict) and rules["generate"][0] == "stepwatch.alerts.generate"
+    assert isinstance(rules, dict) and rules["generate"][0] == "stepwatch.alerts.cli_rules"
     parser = argparse.ArgumentParser()
-    generate.add_arguments(parser)
-    assert generate.run(parser.parse_args(["--check"])) == 0
-    out = subprocess.run([sys.executable, "-c", "import sys, stepwatch.alerts.generate, stepwatch.runbooks.parse; "
+    cli_rules.add_arguments(parser)
+    assert cli_rules.run(parser.parse_args(["--check"])) == 0
+    out = subprocess.run([sys.executable, "-c", "import sys, stepwatch.alerts.cli_rules, stepwatch.runbooks.parse; "
                           "print('torch' in sys.modules, 'diffusers' in sys.modules)"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
@@ -106,7 +106,7 @@ def test_generation_error_names_the_key(tmp_path: Path, raw: dict[str, Any], cap
     raw["alerts"]["memory_pressure"]["threshold"] = 0.92
     bad = tmp_path / "t.yaml"
     bad.write_text(yaml.safe_dump(raw))
-    rc = generate.run(argparse.Namespace(check=True, thresholds=str(bad), root=str(ROOT)))
+    rc = cli_rules.run(argparse.Namespace(check=True, thresholds=str(bad), root=str(ROOT)))
     err = capsys.readouterr().err
     assert rc == 2
     assert "alerts.memory_pressure.threshold: 0.92 is not a bucket boundary of stepwatch_memory_peak_ratio" in err
@@ -393,9 +393,9 @@ def test_committed_alertmanager_configs_are_valid() -> None:
 
 
 def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=2) as r:
-        body = r.read().decode()
-    return json.loads(body) if body.startswith("{") else body
+    r = httpclient.request("GET", url, timeout=2)
+    r.raise_for_status()
+    return r.json() if r.text.startswith("{") else r.text
 
 
 @needs_promtool
@@ -422,7 +422,7 @@ def test_stack_starts_and_loads_the_rules(th: Any, tmp_path: Path) -> None:
                 _get(f"http://127.0.0.1:{ap}/-/ready")
                 if ams["data"]["activeAlertmanagers"]:
                     break
-            except OSError:
+            except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         assert rules is not None, procs[0].stderr.read().decode() if procs[0].stderr else ""

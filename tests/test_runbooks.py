@@ -13,7 +13,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from stepwatch.alerts import promql, rulegen
+from stepwatch.alerts import defs, promql, rulegen
 from stepwatch.alerts.thresholds import PROFILES, load
 from stepwatch.catalog import METRICS, series_names
 from stepwatch.runbooks import parse
@@ -42,7 +42,7 @@ def runbooks() -> dict[str, parse.Runbook]:
 
 
 def _alert_labels(key: str) -> dict[str, str]:
-    return {k: EXAMPLE_LABELS[k] for k in ("job", *rulegen.ALERT_LABELS[key])}
+    return {k: EXAMPLE_LABELS[k] for k in ("job", *defs.ALERTS[key].labels)}
 
 
 def _rendered(th: Any, runbooks: dict[str, parse.Runbook]) -> list[tuple[str, str, str, str]]:
@@ -88,7 +88,7 @@ def test_runbook_sections_panel_and_glance(th: Any, runbooks: dict[str, parse.Ru
 
 def test_checks_use_only_the_alerts_labels(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
     for spec in th.alerts.values():
-        allowed = {"job", *rulegen.ALERT_LABELS[spec.key]}
+        allowed = {"job", *defs.ALERTS[spec.key].labels}
         for c in runbooks[spec.name].checks:
             assert c.labels_needed() <= allowed, (spec.name, c.id, c.labels_needed() - allowed)
 

@@ -1,0 +1,126 @@
+"""Quality alerts: the images themselves, as the sidecar's prober measures them."""
+
+from __future__ import annotations
+
+from stepwatch.alerts.defs.base import (
+    SC,
+    SIDECAR,
+    AlertDef,
+    Case,
+    Expect,
+    Series,
+    Timing,
+    born,
+    const,
+    need_window,
+    pending,
+    ramp,
+)
+from stepwatch.alerts.promql import events, num
+from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError
+
+SUBSYSTEM = "quality"
+
+
+# ----- quality drop ---------------------------------------------------------------------------
+
+def _quality_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    return ('  stepwatch_quality_psnr_decibels{quantile="p10"}\n'
+            "< on (job, instance, probe_set) group_left ()\n"
+            f"  (stepwatch_quality_gate_decibels - {num(spec.threshold)})")
+
+
+def _quality_cases(p: Timing) -> list[Case]:
+    gate = p.th.quality.gate()
+    kb = 3  # the low probe result arrives at the third scrape
+    fire = kb * p.s + p.F
+    n = p.n(fire + 2 * p.s)
+    sc = {"job": SIDECAR, "instance": SC, "probe_set": "default"}
+    series = [Series("stepwatch_quality_gate_decibels", sc, const(gate, n))]
+    vals = {("svc-a", "p10"): gate - p.T + 0.1, ("svc-b", "p10"): gate - p.T - 0.1, ("svc-b", "p50"): gate - p.T - 1}
+    for (iid, q), v in vals.items():
+        values = born(kb, round(v, 6), n) if (iid, q) == ("svc-b", "p10") else const(round(v, 6), n)
+        series.append(Series("stepwatch_quality_psnr_decibels", {**sc, "instance_id": iid, "quantile": q}, values))
+    low = {**sc, "instance_id": "svc-b", "quantile": "p10"}
+    return [Case(p.spec.key, "p10 just above gate - margin is silent; just below fires once its probe result "
+                 "arrives; p50 is not read", series,
+                 [Expect(fire - p.e, [], "only the result just above the line yet"),
+                  Expect(fire, [(low, round(gate - p.T - 0.1, 6))])])]
+
+
+# ----- probe failing --------------------------------------------------------------------------
+
+def _missed_probes(spec: AlertSpec) -> int:
+    missed = spec.extra.get("missed_probes")
+    if isinstance(missed, bool) or not isinstance(missed, int) or missed < 1:
+        raise ThresholdsError(f"alerts.{spec.key}.missed_probes: {missed!r} is not a whole number >= 1")
+    return missed
+
+
+def _probe_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    missed = _missed_probes(spec)
+    return (events("stepwatch_quality_probe_failures_total", need_window(spec, profile), spec.threshold)
+            + "\nor\n  (\n"
+            "      time() - (stepwatch_quality_last_success_timestamp_seconds > 0)\n"
+            "    > on (job, instance, probe_set)\n"
+            f"      {missed} * stepwatch_quality_probe_interval_seconds\n  )")
+
+
+def _probe_failures_case(p: Timing) -> Case:
+    kb = 4
+    fire = kb * p.s + p.F
+    n = p.n(fire + p.s)
+    sc = {"job": SIDECAR, "instance": SC, "probe_set": "default"}
+    series = [
+        Series("stepwatch_quality_probe_failures_total", {**sc, "reason": "connect"}, f"0x{kb - 1} 1+1x{n - kb}"),
+        Series("stepwatch_quality_probe_failures_total", {**sc, "reason": "timeout"}, const(0, n)),
+        Series("stepwatch_quality_last_success_timestamp_seconds", sc, ramp(p.s, n)),
+        Series("stepwatch_quality_probe_interval_seconds", sc, const(60, n)),
+    ]
+    return Case(p.spec.key, "failing on every attempt from t_b fires after for; the other reason stays 0",
+                series, [Expect(fire - p.e, [], "for: not elapsed"),
+                         Expect(fire, [({**sc, "reason": "connect"}, 1.0)])])
+
+
+def _probe_stale_case(p: Timing) -> Case:
+    missed = _missed_probes(p.spec)
+    interval = 4 * p.s
+    last = p.s  # the last success, as a unix time
+    fire = p.align(missed * interval + last + 1) + p.F
+    n = p.n(fire + p.s)
+    series = []
+    for ps, last_success in (("a", const(last, n)), ("b", ramp(p.s, n)), ("c", const(0, n))):
+        sc = {"job": SIDECAR, "instance": SC, "probe_set": ps}
+        series += [Series("stepwatch_quality_last_success_timestamp_seconds", sc, last_success),
+                   Series("stepwatch_quality_probe_interval_seconds", sc, const(interval, n)),
+                   Series("stepwatch_quality_probe_failures_total", {**sc, "reason": "connect"}, const(0, n))]
+    return Case(p.spec.key, f"set a has not succeeded for {missed} probe intervals: fires; set b is fresh; "
+                "set c never succeeded (0) and has no failures", series,
+                [Expect(fire - p.e, [], "for: not elapsed"),
+                 Expect(fire, [({"job": SIDECAR, "instance": SC, "probe_set": "a"}, 1.0)])])
+
+
+def _probe_cases(p: Timing) -> list[Case]:
+    """Both arms: failures counted over the window, and no success for missed_probes intervals."""
+    return [_probe_failures_case(p), _probe_stale_case(p)]
+
+
+# ----- baseline stale -------------------------------------------------------------------------
+
+def _stale_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    return "stepwatch_quality_baseline_stale == 1"
+
+
+def _stale_cases(p: Timing) -> list[Case]:
+    n = p.n(p.F + p.s)
+    series = [Series("stepwatch_quality_baseline_stale", {"job": SIDECAR, "instance": SC, "probe_set": ps},
+                     const(v, n)) for ps, v in (("a", 1), ("b", 0))]
+    return [Case(p.spec.key, "set a stale, set b current", series,
+                 [pending(p), Expect(p.F or p.e, [({"job": SIDECAR, "instance": SC, "probe_set": "a"}, 1.0)])])]
+
+
+ALERTS = (
+    AlertDef("quality_drop", _quality_expr, ("instance", "probe_set", "instance_id", "quantile"), _quality_cases),
+    AlertDef("probe_failing", _probe_expr, ("instance", "probe_set", "reason"), _probe_cases),
+    AlertDef("baseline_stale", _stale_expr, ("instance", "probe_set"), _stale_cases),
+)

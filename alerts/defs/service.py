@@ -1,0 +1,86 @@
+"""Service alerts: what users of the inference service see (queue wait, errors, bad images)."""
+
+from __future__ import annotations
+
+from stepwatch.alerts.defs.base import (
+    I1,
+    SVC,
+    AlertDef,
+    Case,
+    Expect,
+    Series,
+    Timing,
+    const,
+    events_case,
+    need_window,
+    pending,
+    ramp,
+    rate_window,
+)
+from stepwatch.alerts.promql import events, num, sel, sum_increase
+from stepwatch.alerts.thresholds import AlertSpec, Thresholds
+
+SUBSYSTEM = "service"
+
+
+# ----- queue wait -----------------------------------------------------------------------------
+
+def _queue_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    return f"instance_pool:stepwatch_queue_estimated_wait_seconds:slo_ratio > {num(spec.threshold)}"
+
+
+def _queue_cases(p: Timing) -> list[Case]:
+    n = p.n(p.F + p.s)
+    series = []
+    for pool, slo, ratio in (("large", 60, p.T * 1.05), ("small", 10, p.T * 0.95)):
+        lab = {"job": SVC, "instance": I1, "pool": pool}
+        series += [Series("stepwatch_queue_slo_seconds", lab, const(slo, n)),
+                   Series("stepwatch_queue_estimated_wait_seconds", lab, const(slo * ratio, n))]
+    return [Case(p.spec.key, "pool large just over, pool small just under", series,
+                 [pending(p), Expect(p.F or p.e, [({"job": SVC, "instance": I1, "pool": "large"}, p.T * 1.05)])])]
+
+
+# ----- request error ratio --------------------------------------------------------------------
+
+def _errors_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    w = rate_window(th, profile)
+    floor = spec.extra.get("min_requests", 0)
+    ratio = f"pool:stepwatch_service_requests:error_ratio_rate{w} > {num(spec.threshold)}"
+    if not floor:
+        return ratio
+    requests = sum_increase(sel("stepwatch_service_requests_total"), w, "job, pool")
+    return f"  {ratio}\nand on (job, pool)\n  {requests} >= {num(float(floor))}"
+
+
+def _errors_cases(p: Timing) -> list[Case]:
+    fire = p.s + p.F
+    n = p.n(fire + p.s)
+    codes = {"large": {"200": 100 - 100 * p.T * 1.1, "500": 60 * p.T * 1.1, "507": 40 * p.T * 1.1},
+             "small": {"200": 100 - 100 * p.T * 0.9, "503": 100 * p.T * 0.9, "429": 10},
+             "other": {"200": 10},
+             # every request fails, but a handful in the window: below min_requests, silent
+             "idle": {"507": 0.05}}
+    series = [Series("stepwatch_service_requests_total", {"job": SVC, "instance": I1, "pool": pool, "code": c},
+                     ramp(round(v, 9), n)) for pool, cs in codes.items() for c, v in cs.items()]
+    return [Case(p.spec.key, "pool large just over (500 + 507), pool small just under (429 is not an error), "
+                 "pool other without errors, pool idle all failing but under min_requests", series,
+                 [Expect(fire - p.e, [], "for: not elapsed"),
+                  Expect(fire, [({"job": SVC, "pool": "large"}, p.T * 1.1)])])]
+
+
+# ----- non-finite images ----------------------------------------------------------------------
+
+def _nonfinite_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    return events("stepwatch_service_images_nonfinite_total", need_window(spec, profile), spec.threshold)
+
+
+def _nonfinite_cases(p: Timing) -> list[Case]:
+    return [events_case(p, "stepwatch_service_images_nonfinite_total", {"pool": "large"}, {"pool": "small"},
+                        {"pool": "other"})]
+
+
+ALERTS = (
+    AlertDef("queue_wait", _queue_expr, ("instance", "pool"), _queue_cases, explains=("queue_backlog",)),
+    AlertDef("error_ratio", _errors_expr, ("pool",), _errors_cases, rate_based=True),
+    AlertDef("nonfinite_outputs", _nonfinite_expr, ("instance", "pool"), _nonfinite_cases),
+)
