@@ -21,9 +21,12 @@ Rules (each problem names the panel and the rule):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+from stepwatch import catalog
+from stepwatch.alerts.rulegen import recorded_names
+from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.dashboards.model import (
     DATASOURCE_UID,
     DATASOURCE_VAR,
@@ -33,9 +36,6 @@ from stepwatch.dashboards.model import (
     used_variables,
     variables,
 )
-
-if TYPE_CHECKING:
-    from stepwatch.alerts.thresholds import Thresholds
 
 BUILTINS = {"up", "ALERTS", "ALERTS_FOR_STATE"}
 GRAFANA_VARS = {"__rate_interval", "__interval", "__range"}
@@ -142,11 +142,11 @@ def lint_expr(expr: str, known: set[str], kinds: Mapping[str, str], defined_vars
 
 
 def _known(th: Thresholds) -> tuple[set[str], dict[str, str]]:
-    from stepwatch import catalog
-    from stepwatch.alerts.rulegen import recorded_names
-
     kinds: dict[str, str] = {m.name: m.kind for m in catalog.METRICS}
     return catalog.series_names() | recorded_names(th) | BUILTINS, kinds
+
+
+Check = Callable[[str], list[str]]
 
 
 def lint(dashboard: Mapping[str, Any], th: Thresholds, all_alert_panels: bool = True) -> list[str]:
@@ -156,55 +156,72 @@ def lint(dashboard: Mapping[str, Any], th: Thresholds, all_alert_panels: bool = 
     use ``lint_alert_panels`` on the set).
     """
     known, kinds = _known(th)
+    defined = {str(n) for n in (v.get("name") for v in variables(dashboard)) if n}
+
+    def check(expr: str) -> list[str]:
+        return lint_expr(expr, known, kinds, defined)
+
+    problems = _template_problems(dashboard, check)
+    titles: dict[str, int] = {}
+    for p in panels(dashboard):
+        title = str(p.get("title") or "")
+        titles[title] = titles.get(title, 0) + 1
+        problems += _panel_problems(p, check)
+    problems += [f"[panel-title] title {t!r} is used by {n} panels" for t, n in titles.items() if n > 1]
+    if all_alert_panels:
+        problems += lint_alert_panels([dashboard], th)
+    return problems
+
+
+def _template_problems(dashboard: Mapping[str, Any], check: Check) -> list[str]:
+    """The variables (datasource, filters, their queries) and the annotation queries."""
     problems: list[str] = []
     names = {v.get("name") for v in variables(dashboard)}
     ds_vars = [v for v in variables(dashboard) if v.get("name") == DATASOURCE_VAR]
     if not ds_vars or ds_vars[0].get("type") != "datasource" or ds_vars[0].get("query") != "prometheus":
         problems.append(f"[template-datasource] no ${DATASOURCE_VAR} variable of type datasource (prometheus)")
-    for var in FILTER_VARS:
-        if var not in names:
-            problems.append(f"[template-datasource] no ${var} variable")
-    defined = {str(n) for n in names if n}
+    problems += [f"[template-datasource] no ${var} variable" for var in FILTER_VARS if var not in names]
     for v in variables(dashboard):
+        if v.get("type") != "query":
+            continue
         q = v.get("query")
         expr = str(q.get("query", "") if isinstance(q, dict) else q or "")
         m = re.match(r"^label_values\((.*),\s*\w+\)$", expr)
-        if v.get("type") == "query":
-            if m is None:
-                problems.append(f"variable {v.get('name')}: query {expr!r} is not label_values(selector, label)")
-            else:
-                problems += [f"variable {v.get('name')}: {p}" for p in lint_expr(m.group(1), known, kinds, defined)]
-            if (v.get("datasource") or {}).get("uid") != DATASOURCE_UID:
-                problems.append(f"[panel-datasource] variable {v.get('name')} does not use ${DATASOURCE_VAR}")
+        if m is None:
+            problems.append(f"variable {v.get('name')}: query {expr!r} is not label_values(selector, label)")
+        else:
+            problems += [f"variable {v.get('name')}: {p}" for p in check(m.group(1))]
+        if (v.get("datasource") or {}).get("uid") != DATASOURCE_UID:
+            problems.append(f"[panel-datasource] variable {v.get('name')} does not use ${DATASOURCE_VAR}")
     for a in (dashboard.get("annotations") or {}).get("list") or []:
         if a.get("expr"):
-            problems += [f"annotation {a.get('name')}: {p}" for p in lint_expr(a["expr"], known, kinds, defined)]
-    titles: dict[str, int] = {}
-    for p in panels(dashboard):
-        title = str(p.get("title") or "")
-        where = f"panel {title or p.get('id')!r}"
-        titles[title] = titles.get(title, 0) + 1
-        if not title.strip():
-            problems.append(f"[panel-title] {where} has no title")
-        if not str(p.get("description") or "").strip():
-            problems.append(f"[panel-description] {where} has no description")
-        if not str(((p.get("fieldConfig") or {}).get("defaults") or {}).get("unit") or "").strip():
-            problems.append(f"[panel-units] {where} has no unit")
-        if (p.get("datasource") or {}).get("uid") != DATASOURCE_UID:
-            problems.append(f"[panel-datasource] {where} does not use ${DATASOURCE_VAR}")
-        targets = p.get("targets") or []
-        if not targets:
-            problems.append(f"[panel-targets] {where} has no queries")
-        for t in targets:
-            if (t.get("datasource") or {}).get("uid") != DATASOURCE_UID:
-                problems.append(f"[panel-datasource] {where} query {t.get('refId')} does not use ${DATASOURCE_VAR}")
-        for q in queries(p):
-            if not q.expr.strip():
-                problems.append(f"[panel-targets] {where} query {q.ref_id} is empty")
-            problems += [f"{where} query {q.ref_id}: {e}" for e in lint_expr(q.expr, known, kinds, defined)]
-    problems += [f"[panel-title] title {t!r} is used by {n} panels" for t, n in titles.items() if n > 1]
-    if all_alert_panels:
-        problems += lint_alert_panels([dashboard], th)
+            problems += [f"annotation {a.get('name')}: {p}" for p in check(a["expr"])]
+    return problems
+
+
+def _panel_problems(p: Mapping[str, Any], check: Check) -> list[str]:
+    """One panel: title, description, unit, datasource, and each of its queries."""
+    title = str(p.get("title") or "")
+    where = f"panel {title or p.get('id')!r}"
+    problems: list[str] = []
+    if not title.strip():
+        problems.append(f"[panel-title] {where} has no title")
+    if not str(p.get("description") or "").strip():
+        problems.append(f"[panel-description] {where} has no description")
+    if not str(((p.get("fieldConfig") or {}).get("defaults") or {}).get("unit") or "").strip():
+        problems.append(f"[panel-units] {where} has no unit")
+    if (p.get("datasource") or {}).get("uid") != DATASOURCE_UID:
+        problems.append(f"[panel-datasource] {where} does not use ${DATASOURCE_VAR}")
+    targets = p.get("targets") or []
+    if not targets:
+        problems.append(f"[panel-targets] {where} has no queries")
+    for t in targets:
+        if (t.get("datasource") or {}).get("uid") != DATASOURCE_UID:
+            problems.append(f"[panel-datasource] {where} query {t.get('refId')} does not use ${DATASOURCE_VAR}")
+    for q in queries(p):
+        if not q.expr.strip():
+            problems.append(f"[panel-targets] {where} query {q.ref_id} is empty")
+        problems += [f"{where} query {q.ref_id}: {e}" for e in check(q.expr)]
     return problems
 
 
