@@ -131,6 +131,32 @@ class StandIn:
 
     # --- server ----------------------------------------------------------------------------
 
+    def answer_post(self, path: str, raw: bytes) -> tuple[int, dict[str, Any]] | None:
+        """The answer to a POST; None: drop the connection (``die_after`` ran out)."""
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            return 400, {"error": {"message": "bad JSON", "type": "invalid_request_error", "code": 400}}
+        if path != "/v1/images/generations":
+            return 404, {"error": {"message": "not found", "type": "not_found", "code": 404}}
+        if self.die_after is not None:
+            if self.die_after <= 0:
+                threading.Thread(target=self.stop).start()
+                return None
+            self.die_after -= 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fail_code:
+            return self.fail_code, {"error": {"message": "injected", "type": "server_error", "code": self.fail_code}}
+        return self.generate(body)
+
+    def answer_get(self, path: str) -> tuple[int, dict[str, Any]]:
+        if path == "/v1/stepwatch/info":
+            return 200, self.info()
+        if path in ("/healthz", "/readyz"):
+            return 200 if self.ready or path == "/healthz" else 503, {}
+        return 404, {"error": {"message": "not found", "type": "not_found", "code": 404}}
+
     def start(self) -> str:
         standin = self
 
@@ -150,37 +176,14 @@ class StandIn:
                     pass
 
             def do_GET(self) -> None:
-                if self.path == "/v1/stepwatch/info":
-                    self._send(200, standin.info())
-                elif self.path in ("/healthz", "/readyz"):
-                    self._send(200 if standin.ready or self.path == "/healthz" else 503, {})
-                else:
-                    self._send(404, {"error": {"message": "not found", "type": "not_found", "code": 404}})
+                self._send(*standin.answer_get(self.path))
 
             def do_POST(self) -> None:
-                n = int(self.headers.get("Content-Length") or 0)
-                try:
-                    body = json.loads(self.rfile.read(n) or b"{}")
-                except ValueError:
-                    self._send(400, {"error": {"message": "bad JSON", "type": "invalid_request_error",
-                                               "code": 400}})
-                    return
-                if self.path != "/v1/images/generations":
-                    self._send(404, {"error": {"message": "not found", "type": "not_found", "code": 404}})
-                    return
-                if standin.die_after is not None:
-                    if standin.die_after <= 0:
-                        self.close_connection = True
-                        threading.Thread(target=standin.stop).start()
-                        return
-                    standin.die_after -= 1
-                if standin.delay_s:
-                    time.sleep(standin.delay_s)
-                if standin.fail_code:
-                    self._send(standin.fail_code, {"error": {"message": "injected", "type": "server_error",
-                                                             "code": standin.fail_code}})
-                    return
-                self._send(*standin.generate(body))
+                answer = standin.answer_post(self.path, self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                if answer is None:
+                    self.close_connection = True
+                else:
+                    self._send(*answer)
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

@@ -131,43 +131,53 @@ def markdown(report: Report) -> str:
         out.append("Nothing unsuppressed is firing." if quiet else "Nothing is firing.")
         return "\n".join(out) + "\n"
     for k, inc in enumerate(report.incidents, 1):
-        p = inc.primary
-        title = (f"likely cause `{inc.cause}` ({inc.confidence} confidence)" if inc.cause
-                 else "could not check" if inc.could_not_check else "no cause found")
-        out += [f"## {k}. {title}", "", f"**{inc.severity}**: {', '.join(f'`{a.short()}`' for a in inc.alerts)}", ""]
-        if inc.cause:
-            out += [CAUSES.get(inc.cause, ""), ""]
-        elif p.error:
-            out += [p.error, ""]
-        ev = inc.evidence(4) if inc.cause else [c for c in p.checks if c.on_path]
-        if ev and not inc.could_not_check:
-            out += ["| | check | value | healthy when |", "|---|---|---|---|"]
-            out += [f"| {MARK[c.outcome]} | {_md_escape(c.title)} ({c.runbook} #{c.number}) | "
-                    f"{_md_escape(c.value_text())} | `{c.condition}` |" for c in ev]
-            out.append("")
-        ruled = inc.ruled_out()
-        if ruled:
-            out += ["Ruled out: " + "; ".join(f"`{c}` (check `{by.id}` = {by.value_text(1)}, healthy when "
-                                               f"`{by.condition}`)" for c, by in ruled), ""]
-        out += [f"**Next:** {p.next_step()}", ""]
-        links = []
-        if p.runbook_url:
-            links.append(f"[runbook]({p.runbook_url})")
-        if p.panel:
-            links.append(f"dashboard panel **{p.panel}**")
-        if links:
-            out += [" · ".join(links), ""]
-        out += ["<details><summary>Every check that ran</summary>", ""]
-        for d in inc.diagnoses + inc.followers + inc.related:
-            out += [f"**{d.alert.short()}** ({d.runbook.file if d.runbook else 'no runbook'}; path: "
-                    f"{' → '.join(d.path) or '-'} → {d.flow_end or '-'})", "",
-                    "| # | check | outcome | value | healthy when | query |", "|---|---|---|---|---|---|"]
-            for c in d.checks:
-                out.append(f"| {c.number} | `{c.id}` | {c.outcome}{' (on path)' if c.on_path else ''} | "
-                           f"{_md_escape(c.value_text())} | `{c.condition}` | `{_md_escape(c.query)}` |")
-            out.append("")
-        out += ["</details>", ""]
+        out += _md_incident(k, inc) + _md_every_check(inc)
     return "\n".join(out) + "\n"
+
+
+def _md_incident(k: int, inc: Incident) -> list[str]:
+    """The incident's heading, cause, evidence table, what is ruled out, next step and links."""
+    p = inc.primary
+    title = (f"likely cause `{inc.cause}` ({inc.confidence} confidence)" if inc.cause
+             else "could not check" if inc.could_not_check else "no cause found")
+    out = [f"## {k}. {title}", "", f"**{inc.severity}**: {', '.join(f'`{a.short()}`' for a in inc.alerts)}", ""]
+    if inc.cause:
+        out += [CAUSES.get(inc.cause, ""), ""]
+    elif p.error:
+        out += [p.error, ""]
+    ev = inc.evidence(4) if inc.cause else [c for c in p.checks if c.on_path]
+    if ev and not inc.could_not_check:
+        out += ["| | check | value | healthy when |", "|---|---|---|---|"]
+        out += [f"| {MARK[c.outcome]} | {_md_escape(c.title)} ({c.runbook} #{c.number}) | "
+                f"{_md_escape(c.value_text())} | `{c.condition}` |" for c in ev]
+        out.append("")
+    ruled = inc.ruled_out()
+    if ruled:
+        out += ["Ruled out: " + "; ".join(f"`{c}` (check `{by.id}` = {by.value_text(1)}, healthy when "
+                                           f"`{by.condition}`)" for c, by in ruled), ""]
+    out += [f"**Next:** {p.next_step()}", ""]
+    links = []
+    if p.runbook_url:
+        links.append(f"[runbook]({p.runbook_url})")
+    if p.panel:
+        links.append(f"dashboard panel **{p.panel}**")
+    if links:
+        out += [" · ".join(links), ""]
+    return out
+
+
+def _md_every_check(inc: Incident) -> list[str]:
+    """A folded table per diagnosis of every check that ran, with its query."""
+    out = ["<details><summary>Every check that ran</summary>", ""]
+    for d in inc.diagnoses + inc.followers + inc.related:
+        out += [f"**{d.alert.short()}** ({d.runbook.file if d.runbook else 'no runbook'}; path: "
+                f"{' → '.join(d.path) or '-'} → {d.flow_end or '-'})", "",
+                "| # | check | outcome | value | healthy when | query |", "|---|---|---|---|---|---|"]
+        for c in d.checks:
+            out.append(f"| {c.number} | `{c.id}` | {c.outcome}{' (on path)' if c.on_path else ''} | "
+                       f"{_md_escape(c.value_text())} | `{c.condition}` | `{_md_escape(c.query)}` |")
+        out.append("")
+    return [*out, "</details>", ""]
 
 
 def as_json(report: Report) -> str:
