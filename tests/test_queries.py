@@ -89,6 +89,13 @@ def _sample_args(fn: Callable[..., str], window: str) -> list[tuple[object, ...]
     return combos
 
 
+def _queries_function(arg: ast.expr) -> str | None:
+    """``x`` when the argument is a call ``queries.x(...)``, else None."""
+    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and isinstance(arg.func.value, ast.Name):
+        return arg.func.attr if arg.func.value.id == "queries" else None
+    return None
+
+
 def test_the_drills_run_no_query_outside_queries_py(th: Thresholds) -> None:
     """Each PromQL argument in fault_injection is a call of a query function whose output is collected."""
     window = th.profiles["drill"].rate_window
@@ -98,14 +105,11 @@ def test_the_drills_run_no_query_outside_queries_py(th: Thresholds) -> None:
         if path.name == "queries.py":
             continue
         for call in _prom_calls(path):
-            arg = call.args[0]
-            ok = (isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute)
-                  and isinstance(arg.func.value, ast.Name) and arg.func.value.id == "queries")
-            assert ok, f"{path.name}:{call.lineno}: a query not built by fault_injection/queries.py"
-            assert isinstance(arg.func, ast.Attribute)
-            fn = getattr(queries, arg.func.attr)
+            name = _queries_function(call.args[0])
+            assert name, f"{path.name}:{call.lineno}: a query not built by fault_injection/queries.py"
+            fn = getattr(queries, name)
             for args in _sample_args(fn, window):
-                assert fn(*args) in collected, f"{path.name}:{call.lineno}: queries.{arg.func.attr} not collected"
+                assert fn(*args) in collected, f"{path.name}:{call.lineno}: queries.{name} not collected"
             used += 1
     assert used >= 8  # the scan sees the drills' queries (a renamed client method would hide them)
 
