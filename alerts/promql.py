@@ -220,3 +220,8 @@ def ratio_to_fastest(per_member: str, group: str = "job, instance") -> str:
     """
     return (f"(\n{per_member}\n)\n/ on ({group}) group_left\n"
             f"  min by ({group}) (\n(\n{per_member}\n) > 0\n)")
+
+
+def firing(alertname_regex: str = "") -> str:
+    """The firing alerts (``ALERTS``), those whose name matches the regex when one is given."""
+    return sel("ALERTS", 'alertstate="firing"', *([f'alertname=~"{alertname_regex}"'] if alertname_regex else []))
