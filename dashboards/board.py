@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stepwatch.alerts.promql import summary
+from stepwatch.alerts.promql import firing, summary
 from stepwatch.alerts.thresholds import ALERT_PREFIX, Thresholds
 from stepwatch.dashboards.model import DATASOURCE_UID, DATASOURCE_VAR
 
@@ -203,7 +203,7 @@ class Board:
                    .tooltip("one runbook per alert: what to check first").icon("doc"))
              .annotation(db.AnnotationQuery().name("Firing stepwatch alerts").datasource(self.ds).enable(True)
                          .icon_color("rgba(255, 96, 96, 0.6)")
-                         .expr(f'ALERTS{{alertstate="firing", alertname=~"{ALERT_PREFIX}.*"}}')))
+                         .expr(firing(f"{ALERT_PREFIX}.*"))))
         for var in self.variables():
             d = d.with_variable(var)
         for kind, item in self.items:

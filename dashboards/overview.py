@@ -22,6 +22,7 @@ from stepwatch.alerts.promql import (
     cache_hit_ratio,
     device_peak_flops,
     events,
+    firing,
     mean_step_time,
     num,
     pct,
@@ -56,7 +57,7 @@ def alerts_row(b: Board) -> None:
         "Firing stepwatch alerts", """Stepwatch alerts firing, per alert: how many label sets (instances,
         shapes, pools, ...) fire. Healthy: empty. Each alert names the panel to open first; the runbook links
         are on those panels.""", "short",
-        [T(f'sum by (alertname, severity) (ALERTS{{alertstate="firing", alertname=~"{ALERT_PREFIX}.*"}})',
+        [T(f'sum by (alertname, severity) ({firing(f"{ALERT_PREFIX}.*")})',
            "{{alertname}} ({{severity}})")], min_=0, decimals=0, span=24, height=6, no_value="none firing")
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from stepwatch.alerts.promql import firing
 from stepwatch.alerts.thresholds import Thresholds, parse_duration
 from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.dashboards.model import (
@@ -247,14 +248,14 @@ def _run_query(data: PanelData, q: Query, prom: Prometheus, start: float, end: f
 def _firing(data: PanelData, names: Sequence[str], prom: Prometheus, start: float, end: float,
             step: float) -> dict[str, list[tuple[float, float]]]:
     """alertname -> the spans it fired in, for the alerts whose runbooks the panel links."""
-    expr = f'ALERTS{{alertstate="firing", alertname=~"{"|".join(sorted(names))}"}}'
-    firing: dict[str, list[tuple[float, float]]] = {}
+    expr = firing("|".join(sorted(names)))
+    spans: dict[str, list[tuple[float, float]]] = {}
     try:
         for labels, pts in prom.query_range(expr, start, end, step):
-            firing.setdefault(labels.get("alertname", "?"), []).extend(pts)
+            spans.setdefault(labels.get("alertname", "?"), []).extend(pts)
     except PromError as e:
         data.errors.append(f"ALERTS: {e}")
-    return {k: _spans(v, step) for k, v in sorted(firing.items())}
+    return {k: _spans(v, step) for k, v in sorted(spans.items())}
 
 
 def draw(data: PanelData, path: Path, start: float, end: float, step: float, subtitle: str) -> Path:
