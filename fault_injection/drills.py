@@ -254,7 +254,8 @@ class VaeTilingOom(Drill):
         r.checks["same_worker_no_restart"] = info["worker"]["pid"] == r.details.get("worker_pid_before")
         within = self.criteria.rss_back_within
         r.checks["memory_back_near_baseline"] = bool(before and now and abs(now - before) <= within * before)
-        st, _, _ = stack.generate(size="2048x2048", steps=1)
+        tr = self.spec.traffic  # the request that failed untiled fits once tiling is back
+        st, _, _ = stack.generate(size=tr["sizes"][0], steps=int(tr.get("steps", 1)))
         r.checks["2048_fits_with_tiling"] = st == 200
 
 
