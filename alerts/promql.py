@@ -225,3 +225,17 @@ def ratio_to_fastest(per_member: str, group: str = "job, instance") -> str:
 def firing(alertname_regex: str = "") -> str:
     """The firing alerts (``ALERTS``), those whose name matches the regex when one is given."""
     return sel("ALERTS", 'alertstate="firing"', *([f'alertname=~"{alertname_regex}"'] if alertname_regex else []))
+
+
+def over_positive(numerator: str, divisor: str, on: str) -> str:
+    """``numerator / on (on) (divisor > 0)``: a share of a reference (baseline, SLO) that is set.
+
+    A reference of 0 means "not known yet", so it drops the series instead of dividing by zero.
+    The numerator is written as given (wrap a binary expression in parentheses).
+    """
+    return f"{numerator}\n/ on ({on})\n  ({divisor} > 0)"
+
+
+def since(timestamp_sel: str) -> str:
+    """Seconds since a unix-timestamp gauge; absent while the gauge is 0 (it never happened)."""
+    return f"time() - ({timestamp_sel} > 0)"
