@@ -25,11 +25,13 @@ from stepwatch.alerts.promql import (
     firing,
     mean_step_time,
     num,
+    over_positive,
     pct,
     quantile,
     ratio_of_rates,
     ratio_to_fastest,
     sel,
+    since,
     sum_increase,
     sum_rate,
 )
@@ -144,7 +146,7 @@ def _step_time_panels(b: Board) -> None:
         "Per-step time / baseline, by shape", f"""Per-step time as a share of the shape's baseline (what the
         step-time alert compares). Healthy: about 100%; the alert line is {pct(st.threshold)}.""",
         "percentunit",
-        [T(f"(\n{step_mean}\n)\n/ on (job, instance, shape)\n  ({base} > 0)", "{{shape}} @ {{instance}}")],
+        [T(over_positive(f"(\n{step_mean}\n)", base, "job, instance, shape"), "{{shape}} @ {{instance}}")],
         alerts=["step_time_regression"], lines=[(st.threshold, RED)], min_=0)
 
 
@@ -346,7 +348,7 @@ def _probe_panels(b: Board) -> None:
         "Time since the last successful probe", f"""Seconds since the probe set last completed, against
         {missed} probe intervals (dashed red: the probe-failing alert's clock). Healthy: a sawtooth under the
         line.""", "s",
-        [T(f"time() - ({sel('stepwatch_quality_last_success_timestamp_seconds', INST)} > 0)",
+        [T(since(sel("stepwatch_quality_last_success_timestamp_seconds", INST)),
            "{{probe_set}} @ {{instance}}"),
          T(f"{missed} * {sel('stepwatch_quality_probe_interval_seconds', INST)}",
            f"{{{{probe_set}}}} alert ({missed} intervals)", "limit")],
