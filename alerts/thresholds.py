@@ -150,47 +150,9 @@ def parse(data: Any, source: str = "<data>") -> Thresholds:
     """Validate a thresholds mapping (the parsed YAML); every error names the key at fault."""
     if not isinstance(data, dict):
         raise ThresholdsError(f"{source}: expected a mapping at the top level")
-    profiles: dict[str, Profile] = {}
-    raw_profiles = _need(data, "profiles", "")
-    for name in PROFILES:
-        p = _need(raw_profiles, name, "profiles")
-        for k in ("scrape_interval", "evaluation_interval"):
-            parse_duration(_need(p, k, f"profiles.{name}"), f"profiles.{name}.{k}")
-        optional = {k: str(p[k]) for k in ("rate_window", "group_wait", "group_interval", "repeat_interval")
-                    if k in p}
-        for k, v in optional.items():
-            parse_duration(v, f"profiles.{name}.{k}")
-        profiles[name] = Profile(name, str(p["scrape_interval"]), str(p["evaluation_interval"]), **optional)
-        window = parse_duration(profiles[name].rate_window)
-        if window < 4 * parse_duration(profiles[name].scrape_interval):
-            raise ThresholdsError(f"profiles.{name}.rate_window: {profiles[name].rate_window} is shorter than "
-                                  "4 scrape intervals; rate() would be noise")
-    q = _need(data, "quality", "")
-    gates = {str(k): _num(v, f"quality.gates_db.{k}", 0, 100) for k, v in _need(q, "gates_db", "quality").items()}
-    default_gate = _need(q, "default_gate", "quality")
-    if default_gate not in gates:
-        raise ThresholdsError(f"quality.default_gate: {default_gate!r} is not one of {sorted(gates)}")
-    quality = Quality(
-        gates_db=gates,
-        default_gate=default_gate,
-        alert_margin_db=_num(_need(q, "alert_margin_db", "quality"), "quality.alert_margin_db", 0, 50),
-        ssim_gate={str(k): _num(v, f"quality.ssim_gate.{k}", 0, 1)
-                   for k, v in _need(q, "ssim_gate", "quality").items()},
-        video_psnr_gate_db=_num(_need(q, "video_psnr_gate_db", "quality"), "quality.video_psnr_gate_db", 0, 100),
-        probe_budget_ratio=_num(_need(q, "probe_budget_ratio", "quality"), "quality.probe_budget_ratio", 0, 1),
-    )
-    alerts: dict[str, AlertSpec] = {}
-    names: set[str] = set()
-    panels: dict[str, str] = {}
-    raw_alerts = _need(data, "alerts", "")
-    if not isinstance(raw_alerts, dict):
-        raise ThresholdsError("alerts: expected a mapping of alert key -> settings")
-    for key, a in raw_alerts.items():
-        spec = _alert(str(key), a, names, panels)
-        alerts[spec.key] = spec
-    for required in REQUIRED_ALERTS:
-        if required not in alerts:
-            raise ThresholdsError(f"alerts.{required}: missing (one of the seven documented alerts)")
+    profiles = _profiles(_need(data, "profiles", ""))
+    quality = _quality(_need(data, "quality", ""))
+    alerts = _alerts(_need(data, "alerts", ""))
     qd = alerts["quality_drop"]
     if qd.threshold != quality.alert_margin_db:
         raise ThresholdsError(f"alerts.quality_drop.threshold: {qd.threshold:g} differs from "
@@ -203,14 +165,70 @@ def parse(data: Any, source: str = "<data>") -> Thresholds:
         re.compile(job_regex)
     except re.error as e:
         raise ThresholdsError(f"job_regex: {job_regex!r} is not a regular expression ({e})") from None
+    return Thresholds(profiles, quality, alerts, source, base, job_regex, _diagnosis(data.get("diagnosis") or {}))
+
+
+def _profiles(raw: Any) -> dict[str, Profile]:
+    """Both profiles; a rate window shorter than 4 scrapes is refused (rate() would be noise)."""
+    profiles: dict[str, Profile] = {}
+    for name in PROFILES:
+        p = _need(raw, name, "profiles")
+        for k in ("scrape_interval", "evaluation_interval"):
+            parse_duration(_need(p, k, f"profiles.{name}"), f"profiles.{name}.{k}")
+        optional = {k: str(p[k]) for k in ("rate_window", "group_wait", "group_interval", "repeat_interval")
+                    if k in p}
+        for k, v in optional.items():
+            parse_duration(v, f"profiles.{name}.{k}")
+        profiles[name] = Profile(name, str(p["scrape_interval"]), str(p["evaluation_interval"]), **optional)
+        window = parse_duration(profiles[name].rate_window)
+        if window < 4 * parse_duration(profiles[name].scrape_interval):
+            raise ThresholdsError(f"profiles.{name}.rate_window: {profiles[name].rate_window} is shorter than "
+                                  "4 scrape intervals; rate() would be noise")
+    return profiles
+
+
+def _quality(q: Any) -> Quality:
+    gates = {str(k): _num(v, f"quality.gates_db.{k}", 0, 100) for k, v in _need(q, "gates_db", "quality").items()}
+    default_gate = _need(q, "default_gate", "quality")
+    if default_gate not in gates:
+        raise ThresholdsError(f"quality.default_gate: {default_gate!r} is not one of {sorted(gates)}")
+    return Quality(
+        gates_db=gates,
+        default_gate=default_gate,
+        alert_margin_db=_num(_need(q, "alert_margin_db", "quality"), "quality.alert_margin_db", 0, 50),
+        ssim_gate={str(k): _num(v, f"quality.ssim_gate.{k}", 0, 1)
+                   for k, v in _need(q, "ssim_gate", "quality").items()},
+        video_psnr_gate_db=_num(_need(q, "video_psnr_gate_db", "quality"), "quality.video_psnr_gate_db", 0, 100),
+        probe_budget_ratio=_num(_need(q, "probe_budget_ratio", "quality"), "quality.probe_budget_ratio", 0, 1),
+    )
+
+
+def _alerts(raw: Any) -> dict[str, AlertSpec]:
+    """Every alert block, names and panels unique, the documented alerts all present."""
+    if not isinstance(raw, dict):
+        raise ThresholdsError("alerts: expected a mapping of alert key -> settings")
+    alerts: dict[str, AlertSpec] = {}
+    names: set[str] = set()
+    panels: dict[str, str] = {}
+    for key, a in raw.items():
+        spec = _alert(str(key), a, names, panels)
+        alerts[spec.key] = spec
+    for required in REQUIRED_ALERTS:
+        if required not in alerts:
+            raise ThresholdsError(f"alerts.{required}: missing (one of the seven documented alerts)")
+    return alerts
+
+
+def _diagnosis(raw: Any) -> dict[str, float | str]:
+    """Numbers (or durations) only the runbooks' checks use."""
     diagnosis: dict[str, float | str] = {}
-    for k, v in (data.get("diagnosis") or {}).items():
+    for k, v in raw.items():
         if isinstance(v, str):
             parse_duration(v, f"diagnosis.{k}")
             diagnosis[str(k)] = v
         else:
             diagnosis[str(k)] = _num(v, f"diagnosis.{k}")
-    return Thresholds(profiles, quality, alerts, source, base, job_regex, diagnosis)
+    return diagnosis
 
 
 REQUIRED_ALERTS = ("step_time_regression", "cache_hit_rate_shift", "queue_wait", "memory_pressure",

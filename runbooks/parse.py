@@ -39,7 +39,8 @@ from typing import Any, Literal
 
 import yaml
 
-from stepwatch.alerts.thresholds import anchor
+from stepwatch.alerts.thresholds import Thresholds, anchor
+from stepwatch.alerts.thresholds import load as load_thresholds
 
 # The shared cause vocabulary: what triage may name.  One line each, for people.
 CAUSES: dict[str, str] = {
@@ -122,10 +123,10 @@ class Condition:
                 raise RunbookError(f"{where}: healthy value {value!r} is not a number or ${{placeholder}}") from None
         return cls(m.group(1), value)
 
-    def threshold(self, thresholds: Any = None, profile: str = "production") -> float:
+    def threshold(self, thresholds: Thresholds | None = None, profile: str = "production") -> float:
         return float(_value_placeholders(self.value, thresholds, profile, None, "healthy"))
 
-    def holds(self, x: float, thresholds: Any = None, profile: str = "production") -> bool:
+    def holds(self, x: float, thresholds: Thresholds | None = None, profile: str = "production") -> bool:
         return _OPS[self.op](x, self.threshold(thresholds, profile))
 
     def __str__(self) -> str:
@@ -149,7 +150,7 @@ class Check:
         """Alert labels the query reads (pseudo labels resolved to their source)."""
         return {PSEUDO_LABELS.get(n, n) for n in _LABEL_PH.findall(self.query)}
 
-    def render(self, labels: Mapping[str, str] | None = None, thresholds: Any = None,
+    def render(self, labels: Mapping[str, str] | None = None, thresholds: Thresholds | None = None,
                profile: str = "production") -> str:
         """The PromQL to run: alert labels and ${...} values filled in.
 
@@ -166,7 +167,8 @@ class Check:
         q = _LABEL_PH.sub(label, self.query)
         return _value_placeholders(q, thresholds, profile, self.alert, f"check {self.id}").strip()
 
-    def judge(self, values: Iterable[float], thresholds: Any = None, profile: str = "production") -> Outcome:
+    def judge(self, values: Iterable[float], thresholds: Thresholds | None = None,
+              profile: str = "production") -> Outcome:
         """healthy when every returned sample satisfies ``healthy``; ``empty`` when none came back.
 
         NaN never satisfies a condition, so a NaN sample is unhealthy.
@@ -206,16 +208,15 @@ class Runbook:
 
 
 @functools.lru_cache(maxsize=1)
-def _packaged_thresholds() -> Any:
-    from stepwatch.alerts.thresholds import load
-
-    return load()
+def _packaged_thresholds() -> Thresholds:
+    return load_thresholds()
 
 
-def _value_placeholders(text: str, thresholds: Any, profile: str, alert: str | None, where: str) -> str:
-    th = thresholds
-    if th is None and _VALUE_PH.search(text):
-        th = _packaged_thresholds()
+def _value_placeholders(text: str, thresholds: Thresholds | None, profile: str, alert: str | None,
+                        where: str) -> str:
+    if not _VALUE_PH.search(text):
+        return text
+    th = thresholds or _packaged_thresholds()
 
     def value(m: re.Match[str]) -> str:
         name = m.group(1)
@@ -346,10 +347,8 @@ def load(file: str | Path) -> Runbook:
     return parse_runbook(p.read_text(), str(p))
 
 
-def load_for_alert(alertname: str, thresholds: Any = None) -> Runbook:
+def load_for_alert(alertname: str, thresholds: Thresholds | None = None) -> Runbook:
     """The runbook of an alert, found the way its runbook_url points to it."""
-    from stepwatch.alerts.thresholds import load as load_thresholds
-
     th = thresholds or load_thresholds()
     return load(th.by_name(alertname).runbook_file)
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from stepwatch.alerts.defs import refers_to
+from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.promapi import PromError, Prometheus
 from stepwatch.runbooks.parse import CAUSES, END, Check, Runbook, RunbookError, follow, load_for_alert, load_for_url
 
@@ -32,14 +34,6 @@ CONFIDENCE_RANK = {"high": 0, "medium": 1, "low": 2, "none": 3}
 # Score of a cause the runbook's flow reached, on top of the checks that point at it: the
 # flow is the runbook author's order of questions, so it wins over a stray off-path check.
 FLOW_BONUS = 3.0
-# Causes that name another alert as the real story: the incident of that alert (same host)
-# absorbs them ("errors are mostly OOMs" -> the OOM incident says why).
-REFERS_TO: dict[str, tuple[str, ...]] = {
-    "out_of_memory": ("StepwatchOutOfMemory",),
-    "instance_slowdown": ("StepwatchStepTimeRegression",),
-    "queue_backlog": ("StepwatchQueueWaitHigh",),  # probes time out or get 429 behind the queue
-    "target_unreachable": ("StepwatchTargetDown",),
-}
 
 
 # ----- alerts -----------------------------------------------------------------------------------
@@ -469,7 +463,7 @@ class Engine:
                 seen.add(a.key)
                 uniq.append(a)
         diags = [self.diagnose(a) for a in uniq]
-        return Report(at=self.at, generated=time.time(), prometheus=self.prom.url, incidents=group(diags),
+        return Report(at=self.at, generated=time.time(), prometheus=self.prom.url, incidents=group(diags, self.th),
                       duration_s=time.time() - t0,
                       prometheus_error=None if not uniq or self.reachable() else self._unreachable_reason,
                       suppressed=suppressed)
@@ -587,14 +581,16 @@ def evidence_rank(c: CheckResult) -> int:
     return (0 if c.outcome == "unhealthy" else 2) + (0 if c.on_path else 1)
 
 
-def group(diags: Sequence[Diagnosis]) -> list[Incident]:
+def group(diags: Sequence[Diagnosis], thresholds: Thresholds | None = None) -> list[Incident]:
     """Alerts sharing a cause on one host become one incident; causes that point at another alert join it.
 
     A cause like ``out_of_memory`` ("most errors are OOMs") points at the OOM alert:
-    that alert's incident takes it as a follower and keeps its own, deeper cause.
+    that alert's incident takes it as a follower and keeps its own, deeper cause.  Which
+    alert a cause points at is the ``explains`` of the alert definitions (alerts/defs/).
     Alerts whose runbook found no cause join a caused incident on the same host as
     related symptoms (a recompile also lifts the queue); alone, each is its own incident.
     """
+    refers = refers_to(thresholds or _thresholds())
     by_key: dict[tuple[str, str], Incident] = {}
     unexplained: list[Diagnosis] = []
     for d in diags:
@@ -607,7 +603,7 @@ def group(diags: Sequence[Diagnosis]) -> list[Incident]:
         else:
             by_key[key] = Incident([d])
     for (cause, host), inc in list(by_key.items()):
-        targets = REFERS_TO.get(cause, ())
+        targets = refers.get(cause, ())
         # A pool-level alert (no instance) joins the incident wherever it is.
         if any(d.alert.name in targets for d in inc.diagnoses):
             continue  # the alert named its own kind (a queue backlog on the queue alert): it is the home

@@ -80,6 +80,7 @@ def _nonfinite_cases(p: Timing) -> list[Case]:
 
 
 ALERTS = (
+    # A probe that times out or gets 429 behind the queue is the queue's story.
     AlertDef("queue_wait", _queue_expr, ("instance", "pool"), _queue_cases, explains=("queue_backlog",)),
     AlertDef("error_ratio", _errors_expr, ("pool",), _errors_cases, rate_based=True),
     AlertDef("nonfinite_outputs", _nonfinite_expr, ("instance", "pool"), _nonfinite_cases),
