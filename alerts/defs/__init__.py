@@ -17,10 +17,10 @@ from stepwatch.alerts.thresholds import SUBSYSTEMS, AlertSpec, Thresholds, Thres
 __all__ = ["ALERTS", "MODULES", "SUBSYSTEM_OF", "AlertDef", "Case", "Expect", "Series", "Timing", "alert_def",
            "defined", "module_file", "problems", "refers_to", "validate"]
 
-MODULES: dict[str, ModuleType] = {"service": service, "pipeline": pipeline, "quality": quality,
-                                  "monitoring": monitoring}
-ALERTS: dict[str, AlertDef] = {d.key: d for sub in SUBSYSTEMS for d in MODULES[sub].ALERTS}
-SUBSYSTEM_OF: dict[str, str] = {d.key: sub for sub in SUBSYSTEMS for d in MODULES[sub].ALERTS}
+_BY_NAME = {m.SUBSYSTEM: m for m in (service, pipeline, quality, monitoring)}
+MODULES: dict[str, ModuleType] = {sub: _BY_NAME[sub] for sub in SUBSYSTEMS}  # KeyError: a subsystem lacks its module
+ALERTS: dict[str, AlertDef] = {d.key: d for m in MODULES.values() for d in m.ALERTS}
+SUBSYSTEM_OF: dict[str, str] = {d.key: sub for sub, m in MODULES.items() for d in m.ALERTS}
 
 
 def module_file(subsystem: str) -> str:
