@@ -22,7 +22,6 @@ ALERT_PREFIX = "Stepwatch"
 # then the pipeline behind it, the output, and the monitoring itself): alert modules, board rows and
 # the rule files all follow it.
 SUBSYSTEMS = ("service", "pipeline", "quality", "monitoring")
-SUBSYSTEMS = ("pipeline", "service", "quality", "monitoring")
 # ${...} placeholders a summary or description may use (filled per profile by the generator).
 TEXT_PLACEHOLDERS = ("threshold", "threshold_pct", "upper", "lower", "for", "window")
 _DURATION = re.compile(r"^(\d+)(ms|s|m|h)$")
