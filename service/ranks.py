@@ -1,6 +1,7 @@
 """Two-rank mode: the transformer runs with diffusers' Ulysses context parallelism over gloo.
 
 The worker process is rank 0; it starts the other ranks as its own children.
+Only the spawned worker process imports this module (and torch).
 Rank 0 talks to the HTTP process and broadcasts every generate/knobs message
 to the other ranks (one small collective per request), so all ranks run the
 same requests in the same order.  CPU-only torch builds report no
@@ -10,13 +11,20 @@ for one, so the ranks report 1 (one CPU "device" each).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
-import traceback
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stepwatch.service.worker import Worker, configure_process, start
 
 log = logging.getLogger("stepwatch.service.ranks")
 
@@ -29,41 +37,27 @@ def _free_port() -> int:
 
 def _die_with_parent() -> None:
     """A follower rank gets SIGKILL when rank 0 dies, even by SIGKILL (which skips the join in ranks_main)."""
-    import ctypes
-    import signal
-
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         log.debug("PR_SET_PDEATHSIG unavailable; a killed rank 0 leaves rank %d to the gloo timeout", os.getpid())
 
 
-def _rank_entry(cfg: dict[str, Any], conn: Any, rank: int, world: int, port: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from stepwatch.service.worker import Worker
-
+def _rank_entry(cfg: dict[str, Any], conn: Connection | None, rank: int, world: int, port: int) -> None:
     if rank > 0:
         _die_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
-    logging.getLogger("diffusers").setLevel(logging.ERROR)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    configure_process(rank)
     if not torch.cuda.is_available():
         torch.accelerator.device_count = lambda: 1
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     w = Worker(cfg, conn, rank, world)
-    try:
-        setup = w.setup()
-    except Exception:
-        if conn is not None:
-            conn.send({"op": "fatal", "message": traceback.format_exc(limit=5)})
-        raise
-    if rank == 0:
-        conn.send({"op": "ready", "pid": os.getpid(), "metrics_port": w.metrics_port, "fingerprint": w.fingerprint(),
-                   "knobs": dict(w.knobs), "ledger": w.ledger_params(), "budget_bytes": w.budget.limit, **setup})
+    ready = start(w)
+    if ready is None:
+        raise SystemExit(f"rank {rank}: set-up failed")
+    if conn is not None:
+        conn.send(ready)
         w.serve()
     else:
         w.serve_follower()

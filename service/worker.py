@@ -6,11 +6,8 @@ one request, never the instance.  The budget is an address-space limit
 CPU stand-in for a GPU's memory.  Compilation is host work, not "device"
 memory, so the limit is lifted while torch.compile runs and re-based after.
 
-Protocol (multiprocessing Connection, dict messages):
-  main -> worker  {"op": "generate", "id", "request": {...}}
-                  {"op": "knobs", "id", "knobs": {...}}    {"op": "info", "id"}    {"op": "shutdown"}
-  worker -> main  {"op": "ready", ...}   {"op": "result", "id", ...}   {"op": "error", "id", "kind", ...}
-                  {"op": "knobs", "id", ...}   {"op": "info", "id", ...}   {"op": "fatal", "message"}
+The messages it receives and sends are in ``messages.py``.  Only the spawned
+worker process imports this module (and torch); the HTTP process never does.
 """
 
 from __future__ import annotations
@@ -23,7 +20,38 @@ import os
 import resource
 import time
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any
+
+import numpy as np
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from diffusers import ContextParallelConfig
+from PIL import Image
+from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from torch._dynamo.callback import callback_handler
+
+from stepwatch.exporter import instrument
+from stepwatch.exporter.memory import _status, is_oom
+from stepwatch.exporter.ranks import RankReporter
+from stepwatch.service import knobs as knob_rules
+from stepwatch.service.api import GenerationRequest
+from stepwatch.service.cache import apply_cache, current
+from stepwatch.service.config import parse, parse_size
+from stepwatch.service.fingerprint import fingerprint
+from stepwatch.service.messages import (
+    ErrorMsg,
+    GenerateMsg,
+    InfoReply,
+    Ledger,
+    ReadyMsg,
+    Reply,
+    ResultMsg,
+    ToWorker,
+    WarmupRun,
+)
+from stepwatch.service.pipeline import build_pipeline, prompt_words, weights_digest
 
 log = logging.getLogger("stepwatch.service.worker")
 TRIM_SLACK_BYTES = 64 << 20  # above the last trimmed RSS by this much after a request: return freed heap
@@ -38,8 +66,6 @@ def _malloc_trim() -> None:
 
 
 def _vm() -> dict[str, int]:
-    from stepwatch.exporter.memory import _status
-
     return _status()
 
 
@@ -68,19 +94,15 @@ class Budget:
             self.arm()
 
     def install_compile_hooks(self) -> None:
-        from torch._dynamo.callback import callback_handler
-
         if self.lift not in callback_handler.start_callbacks:
             callback_handler.register_start_callback(self.lift)
             callback_handler.register_end_callback(self.rearm)
 
 
 class Worker:
-    def __init__(self, cfg: dict[str, Any], conn: Any, rank: int = 0, world: int = 1) -> None:
-        from stepwatch.service.config import parse
-
+    def __init__(self, cfg: dict[str, Any], conn: Connection | None, rank: int = 0, world: int = 1) -> None:
         self.cfg = parse(cfg)
-        self.conn = conn
+        self.conn = conn  # None on follower ranks: only rank 0 talks to the server
         self.rank = rank
         self.world = world
         self.pipe: Any = None
@@ -94,68 +116,57 @@ class Worker:
         self._weights = ""
 
     # ----- set-up ---------------------------------------------------------------------------
-    def setup(self) -> dict[str, Any]:
-        from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
-
-        from stepwatch.exporter import instrument
-        from stepwatch.service.pipeline import build_pipeline, weights_digest
-
+    def setup(self) -> ReadyMsg:
+        """Build, instrument and warm the pipeline, then arm the budget; the message that says so."""
         disable_created_metrics()
         cfg = self.cfg
         t0 = time.perf_counter()
-        self.pipe = build_pipeline(cfg.family, model=cfg.model, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
-        self._weights = weights_digest(self.pipe)
-        if self.world > 1:
-            from diffusers import ContextParallelConfig
-
-            self.pipe.transformer.set_attention_backend("native")
-            self.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=self.world))
+        self._build()
         registry = CollectorRegistry()
-        rank_reporter = None
-        if self.world > 1:
-            from stepwatch.exporter.ranks import RankReporter
-
-            rank_reporter = RankReporter()
         self.inst = instrument(self.pipe, registry=registry, shapes=cfg.serving_shapes(), text_tokens=cfg.text_tokens,
-                               baselines=cfg.baselines, rank_reporter=rank_reporter)
+                               baselines=cfg.baselines, rank_reporter=RankReporter() if self.world > 1 else None)
         if self.rank == 0:
             server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
             self.metrics_port = server.server_port
         self.apply_knobs({"cache": cfg.cache.kind, "cache_threshold": cfg.cache.threshold,
                           "vae_tiling": cfg.vae_tiling, "compile": cfg.compile.enabled}, warm=False)
         warm = self.warmup()
+        self._arm_budget()
+        return {"op": "ready", "pid": os.getpid(), "metrics_port": self.metrics_port,
+                "fingerprint": self.fingerprint(), "knobs": dict(self.knobs), "ledger": self.ledger_params(),
+                "budget_bytes": self.budget.limit, "setup_seconds": time.perf_counter() - t0, "warmup": warm}
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        self.pipe = build_pipeline(cfg.family, model=cfg.model, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
+        self._weights = weights_digest(self.pipe)
+        if self.world > 1:
+            self.pipe.transformer.set_attention_backend("native")
+            self.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=self.world))
+
+    def _arm_budget(self) -> None:
+        """The memory budget from the warmed footprint; the baseline resident size for trimming."""
         self.budget.arm()
         if self.budget.limit is not None:
             self.budget.install_compile_hooks()
         self.inst.refresh_capacity()
         _malloc_trim()
         self.rss_floor = _vm().get("VmRSS", 0)
-        return {"setup_seconds": time.perf_counter() - t0, "warmup": warm}
 
-    def warmup(self) -> list[dict[str, Any]]:
+    def warmup(self) -> list[WarmupRun]:
         """Compile (if on) and measure every warm-up size: twice each, the second run is the steady state.
 
         With a cross-step cache on, the compiled blocks take a different path on a cache hit (Dynamo
         guards on the hook's decision), so each size also runs once with every middle step forced to
         hit: otherwise the first hit in serving would compile, and page as a serving recompile.
         """
-        from stepwatch.service.api import GenerationRequest
-        from stepwatch.service.cache import apply_cache, current
-        from stepwatch.service.config import parse_size
-
-        out = []
+        out: list[WarmupRun] = []
         kind, threshold = current(self.pipe.transformer)
         with self.inst.warmup():
             for size in self.cfg.warmup:
                 w, h = parse_size(size)
                 req = GenerationRequest("warm up", 1, w, h, self.cfg.warmup_steps, 1.0, 0)
-                for i in range(2):
-                    t = time.perf_counter()
-                    self._run(req)
-                    rep = self.inst.last_report
-                    out.append({"size": size, "run": i, "seconds": time.perf_counter() - t,
-                                "compiles": len(rep.compiles) if rep else 0,
-                                "stages": dict(rep.stages) if rep else {}, "shape": str(rep.shape) if rep else ""})
+                out += [self._timed_warmup(size, req, i) for i in range(2)]
                 if kind == "first_block_cache" and self.compile_active:
                     apply_cache(self.pipe, kind, 1e9)
                     try:
@@ -164,16 +175,22 @@ class Worker:
                         apply_cache(self.pipe, kind, threshold)
         return out
 
-    def fingerprint(self) -> dict[str, Any]:
-        from stepwatch.service.fingerprint import fingerprint
+    def _timed_warmup(self, size: str, req: GenerationRequest, run: int) -> WarmupRun:
+        t = time.perf_counter()
+        self._run(req)
+        rep = self.inst.last_report
+        return {"size": size, "run": run, "seconds": time.perf_counter() - t,
+                "compiles": len(rep.compiles) if rep else 0,
+                "stages": dict(rep.stages) if rep else {}, "shape": str(rep.shape) if rep else ""}
 
+    def fingerprint(self) -> dict[str, Any]:
         cfg = self.cfg
         compile_mode = f"{cfg.compile.backend}/{cfg.compile.mode}" if self.compile_active else "off"
         return fingerprint(model_id=cfg.model or f"stepwatch-tiny-{cfg.family}-seed{cfg.seed}",
                            weights_digest=self._weights, dtype=str(self.pipe.dtype).removeprefix("torch."),
                            compile_mode=compile_mode, ranks=self.world, device_type=self.pipe.device.type)
 
-    def ledger_params(self) -> dict[str, Any] | None:
+    def ledger_params(self) -> Ledger | None:
         lm = getattr(self.inst, "_ledger", None)
         if lm is None:
             return None
@@ -183,20 +200,9 @@ class Worker:
 
     # ----- knobs ----------------------------------------------------------------------------
     def apply_knobs(self, knobs: dict[str, Any], warm: bool = True) -> dict[str, Any]:
-        from stepwatch.service.cache import apply_cache, current
-
+        """Apply checked knobs (knobs.validate); re-warm when the compiled forward changed."""
         pipe = self.pipe
-        rewarm = False
-        if "cache" in knobs or "cache_threshold" in knobs:
-            before = current(pipe.transformer)[0]
-            kind = knobs.get("cache", before)
-            threshold = knobs.get("cache_threshold", self.knobs.get("cache_threshold"))
-            apply_cache(pipe, kind, threshold, steps=self.cfg.default_steps)
-            self.knobs["cache"] = kind
-            self.knobs["cache_threshold"] = threshold
-            # Another cache kind changes the blocks' forward: a compiled service re-warms its shapes, as a
-            # redeploy with the new config would (a threshold change alone edits the hook in place).
-            rewarm = kind != before and self.compile_active
+        rewarm = self._apply_cache(knobs)
         if "vae_tiling" in knobs:
             (pipe.vae.enable_tiling if knobs["vae_tiling"] else pipe.vae.disable_tiling)()
             self.knobs["vae_tiling"] = bool(knobs["vae_tiling"])
@@ -209,15 +215,27 @@ class Worker:
         self.knobs.setdefault("compile", self.compile_active)
         if "baselines" in knobs:
             self.inst.set_baselines(knobs["baselines"])
-            self.knobs["baselines"] = sorted(knobs["baselines"].get("shapes", knobs["baselines"]))
+            self.knobs["baselines"] = sorted(knob_rules.baseline_shapes(knobs["baselines"]))
         if "rank_delay_seconds" in knobs:
             self.rank_delays = {int(k): float(v) for k, v in (knobs["rank_delay_seconds"] or {}).items()}
             self.knobs["rank_delay_seconds"] = {str(k): v for k, v in self.rank_delays.items()}
         return dict(self.knobs)
 
-    def _set_compile(self, on: bool) -> None:
-        import torch._dynamo
+    def _apply_cache(self, knobs: dict[str, Any]) -> bool:
+        """The cache knobs; True when the cache kind changed on a compiled service (it must re-warm)."""
+        if "cache" not in knobs and "cache_threshold" not in knobs:
+            return False
+        before = current(self.pipe.transformer)[0]
+        kind = knobs.get("cache", before)
+        threshold = knobs.get("cache_threshold", self.knobs.get("cache_threshold"))
+        apply_cache(self.pipe, kind, threshold, steps=self.cfg.default_steps)
+        self.knobs["cache"] = kind
+        self.knobs["cache_threshold"] = threshold
+        # Another cache kind changes the blocks' forward: a compiled service re-warms its shapes, as a
+        # redeploy with the new config would (a threshold change alone edits the hook in place).
+        return bool(kind != before and self.compile_active)
 
+    def _set_compile(self, on: bool) -> None:
         # Regional compile shares one code object (the hook's forward) across all blocks, and the
         # cache hooks add variants: Dynamo's default limit of 8 would silently fall back to eager
         # after a few shapes and hide exactly the serving recompiles the service must show.
@@ -237,11 +255,7 @@ class Worker:
         self.compile_active = on
 
     # ----- requests -------------------------------------------------------------------------
-    def _run(self, req: Any) -> Any:
-        import torch
-
-        from stepwatch.service.pipeline import prompt_words
-
+    def _run(self, req: GenerationRequest) -> Any:
         kwargs: dict[str, Any] = {}
         if req.cfg:
             kwargs = {"negative_prompt": "", "true_cfg_scale": req.guidance_scale}
@@ -256,55 +270,21 @@ class Worker:
             num_images_per_prompt=req.n, max_sequence_length=self.cfg.text_tokens, output_type="np",
             generator=torch.Generator().manual_seed(req.seed), callback_on_step_end=callback, **kwargs)
 
-    def generate(self, msg: dict[str, Any]) -> dict[str, Any]:
-        import numpy as np
-        from PIL import Image
-
-        from stepwatch.exporter.memory import is_oom
-
-        req = _request(msg)
+    def generate(self, msg: GenerateMsg) -> ResultMsg | ErrorMsg:
+        req = GenerationRequest(**msg["request"])
         t = time.perf_counter()
+        failure: tuple[bool, str] | None = None
         try:
             out = self._run(req)
         except Exception as exc:
-            rep = self.inst.last_report
-            oom = is_oom(exc)
-            stage = rep.failed_stage if rep is not None else None
-            del exc
-            # diffusers resets cache-hook state only at the end of a call that finished: a call that died
-            # mid-way would leave the next one starting from stale residuals.
-            reset = getattr(self.pipe.transformer, "_reset_stateful_cache", None)
-            if reset is not None:
-                reset()
-            gc.collect()
-            _malloc_trim()
-            if oom:
-                return {"op": "error", "id": msg["id"], "kind": "oom", "stage": stage, "shape": req.shape,
-                        "size": req.size, "message": _oom_message(stage, req, self.knobs)}
-            return {"op": "error", "id": msg["id"], "kind": "internal", "stage": stage, "shape": req.shape,
-                    "message": traceback.format_exc(limit=3)[-600:]}
+            failure = (is_oom(exc), traceback.format_exc(limit=3)[-600:])
+        if failure is not None:
+            # Out of the except block: the exception and its frames (the failed request's tensors) are gone.
+            return self._failed(msg["id"], req, *failure)
         seconds = time.perf_counter() - t
-        images = out.images
-        nonfinite = 0
-        pngs = []
-        for img in images:
-            finite = bool(np.isfinite(img).all())
-            arr = np.nan_to_num(img, nan=0.0, posinf=1.0, neginf=0.0)
-            u8 = (np.clip(arr, 0.0, 1.0) * 255.0).round().astype(np.uint8)
-            if not finite or int(u8.max()) == 0:
-                nonfinite += 1
-            buf = io.BytesIO()
-            Image.fromarray(u8).save(buf, format="PNG", compress_level=1)
-            pngs.append(buf.getvalue())
+        pngs, nonfinite = _encode(out.images)
+        rss = self._trim_if_grown()
         rep = self.inst.last_report
-        rss = _vm().get("VmRSS", 0)
-        if rss > self.rss_floor + TRIM_SLACK_BYTES:
-            # A request larger than the usual left freed heap that glibc keeps: give it back, so resident
-            # memory tracks what the worker holds.  Steady traffic reuses its heap and stays under the floor
-            # plus the slack: no trim (it costs tens of ms).
-            _malloc_trim()
-            rss = _vm().get("VmRSS", 0)
-            self.rss_floor = rss
         return {
             "op": "result", "id": msg["id"], "images": pngs, "seconds": seconds, "nonfinite": nonfinite,
             "shape": str(rep.shape) if rep and rep.shape else req.shape,
@@ -315,17 +295,46 @@ class Worker:
             if rep and "rank_skew" in rep.extra else None,
         }
 
-    def info(self) -> dict[str, Any]:
+    def _failed(self, id_: str, req: GenerationRequest, oom: bool, detail: str) -> ErrorMsg:
+        """Clean up after a failed request and say why it failed (an OOM names the stage and the fix)."""
+        rep = self.inst.last_report
+        stage = rep.failed_stage if rep is not None else None
+        # diffusers resets cache-hook state only at the end of a call that finished: a call that died
+        # mid-way would leave the next one starting from stale residuals.
+        reset = getattr(self.pipe.transformer, "_reset_stateful_cache", None)
+        if reset is not None:
+            reset()
+        gc.collect()
+        _malloc_trim()
+        if oom:
+            return {"op": "error", "id": id_, "kind": "oom", "stage": stage, "shape": req.shape, "size": req.size,
+                    "message": _oom_message(stage, req, self.knobs)}
+        return {"op": "error", "id": id_, "kind": "internal", "stage": stage, "shape": req.shape, "message": detail}
+
+    def _trim_if_grown(self) -> int:
+        """Resident bytes after a request, trimmed first when the request left the heap well above the floor.
+
+        A request larger than the usual leaves freed heap that glibc keeps: give it back, so resident memory
+        tracks what the worker holds.  Steady traffic reuses its heap and stays under the floor plus the
+        slack: no trim (it costs tens of ms).
+        """
+        rss = _vm().get("VmRSS", 0)
+        if rss > self.rss_floor + TRIM_SLACK_BYTES:
+            _malloc_trim()
+            rss = _vm().get("VmRSS", 0)
+            self.rss_floor = rss
+        return rss
+
+    def info(self, id_: str) -> InfoReply:
         vm = _vm()
-        return {"pid": os.getpid(), "rss_bytes": vm.get("VmRSS", 0), "vm_bytes": vm.get("VmSize", 0),
-                "budget_bytes": self.budget.limit, "knobs": dict(self.knobs), "fingerprint": self.fingerprint()}
+        return {"op": "info", "id": id_, "pid": os.getpid(), "rss_bytes": vm.get("VmRSS", 0),
+                "vm_bytes": vm.get("VmSize", 0), "budget_bytes": self.budget.limit, "knobs": dict(self.knobs),
+                "fingerprint": self.fingerprint()}
 
     # ----- loop -----------------------------------------------------------------------------
-    def _broadcast(self, msg: dict[str, Any] | None) -> dict[str, Any]:
+    def _broadcast(self, msg: ToWorker | None) -> ToWorker:
         """Rank 0 sends the message to the other ranks; they receive it (one small collective)."""
-        import torch.distributed as dist
-
-        box = [msg]
+        box: list[Any] = [msg]
         dist.broadcast_object_list(box, src=0)
         return box[0] or {"op": "shutdown"}
 
@@ -333,51 +342,77 @@ class Worker:
         """Ranks > 0: run what rank 0 runs, in the same order; only rank 0 answers."""
         while True:
             msg = self._broadcast(None)
-            op = msg.get("op")
-            if op == "shutdown":
+            if msg["op"] == "shutdown":
                 return
             try:
-                if op == "generate":
-                    self._run(_request(msg))
-                elif op == "knobs":
+                if msg["op"] == "generate":
+                    self._run(GenerationRequest(**msg["request"]))
+                elif msg["op"] == "knobs":
                     self.apply_knobs(msg["knobs"])
             except Exception:
-                log.exception("rank %d failed on %s", self.rank, op)
+                log.exception("rank %d failed on %s", self.rank, msg["op"])
 
     def serve(self) -> None:
+        """Rank 0: answer the server's requests one at a time until shutdown (or the pipe closes)."""
+        assert self.conn is not None
         while True:
             try:
-                msg = self.conn.recv()
+                msg: ToWorker = self.conn.recv()
             except (EOFError, OSError):
                 msg = {"op": "shutdown"}
-            op = msg.get("op")
-            if self.world > 1 and op in ("generate", "knobs", "shutdown"):
+            refused = _refusal(msg, self.world)
+            if refused is not None:
+                self.conn.send(refused)
+                continue
+            if self.world > 1 and msg["op"] in ("generate", "knobs", "shutdown"):
                 self._broadcast(msg)
-            if op == "shutdown":
+            if msg["op"] == "shutdown":
                 return
-            try:
-                if op == "generate":
-                    reply = self.generate(msg)
-                elif op == "knobs":
-                    knobs = self.apply_knobs(msg["knobs"])
-                    reply = {"op": "knobs", "id": msg["id"], "knobs": knobs, "fingerprint": self.fingerprint()}
-                elif op == "info":
-                    reply = {"op": "info", "id": msg["id"], **self.info()}
-                else:
-                    reply = {"op": "error", "id": msg.get("id"), "kind": "internal", "message": f"unknown op {op!r}"}
-            except Exception:
-                reply = {"op": "error", "id": msg.get("id"), "kind": "internal",
-                         "message": traceback.format_exc(limit=3)[-600:]}
-            self.conn.send(reply)
+            self.conn.send(self._reply(msg))
+
+    def _reply(self, msg: ToWorker) -> Reply:
+        try:
+            if msg["op"] == "generate":
+                return self.generate(msg)
+            if msg["op"] == "knobs":
+                return {"op": "knobs", "id": msg["id"], "knobs": self.apply_knobs(msg["knobs"]),
+                        "fingerprint": self.fingerprint()}
+            if msg["op"] == "info":
+                return self.info(msg["id"])
+            return {"op": "error", "id": msg.get("id"), "kind": "internal", "message": f"unknown op {msg['op']!r}"}
+        except Exception:
+            return {"op": "error", "id": msg.get("id"), "kind": "internal",
+                    "message": traceback.format_exc(limit=3)[-600:]}
 
 
-def _request(msg: dict[str, Any]) -> Any:
-    from stepwatch.service.api import GenerationRequest
+def _refusal(msg: ToWorker, world: int) -> ErrorMsg | None:
+    """The answer to knobs that fail the shared validation (before any rank applies them), else None."""
+    if msg["op"] != "knobs":
+        return None
+    try:
+        knob_rules.validate(msg["knobs"], world)
+    except knob_rules.KnobError as e:
+        return {"op": "error", "id": msg["id"], "kind": "invalid", "message": str(e), "param": e.param}
+    return None
 
-    return GenerationRequest(**msg["request"])
+
+def _encode(images: Any) -> tuple[list[bytes], int]:
+    """PNG bytes of each image, and how many were non-finite or all black (a NaN image decodes to black)."""
+    nonfinite = 0
+    pngs = []
+    for img in images:
+        finite = bool(np.isfinite(img).all())
+        arr = np.nan_to_num(img, nan=0.0, posinf=1.0, neginf=0.0)
+        u8 = (np.clip(arr, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+        if not finite or int(u8.max()) == 0:
+            nonfinite += 1
+        buf = io.BytesIO()
+        Image.fromarray(u8).save(buf, format="PNG", compress_level=1)
+        pngs.append(buf.getvalue())
+    return pngs, nonfinite
 
 
-def _oom_message(stage: str | None, req: Any, knobs: dict[str, Any]) -> str:
+def _oom_message(stage: str | None, req: GenerationRequest, knobs: dict[str, Any]) -> str:
     where = stage or "an unknown stage"
     if stage == "vae_decode" and not knobs.get("vae_tiling", True):
         fix = "enable VAE tiling (it is off) or request a smaller size"
@@ -391,17 +426,30 @@ def _oom_message(stage: str | None, req: Any, knobs: dict[str, Any]) -> str:
             "The request failed; the instance keeps serving.")
 
 
-def worker_main(cfg: dict[str, Any], conn: Any, rank: int = 0, world: int = 1) -> None:
-    """Entry point of the worker process (spawned)."""
+def configure_process(rank: int) -> None:
+    """Logging and environment of a worker process (rank 0 or a follower)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    w = Worker(cfg, conn, rank, world)
+
+
+def start(w: Worker) -> ReadyMsg | None:
+    """Set the worker up; on failure rank 0 tells the server why (``fatal``) and None is returned."""
     try:
-        setup = w.setup()
+        return w.setup()
     except Exception:
-        conn.send({"op": "fatal", "message": traceback.format_exc(limit=5)})
+        log.exception("rank %d: set-up failed", w.rank)
+        if w.conn is not None:
+            w.conn.send({"op": "fatal", "message": traceback.format_exc(limit=5)})
+        return None
+
+
+def worker_main(cfg: dict[str, Any], conn: Connection, rank: int = 0, world: int = 1) -> None:
+    """Entry point of the worker process (spawned)."""
+    configure_process(rank)
+    w = Worker(cfg, conn, rank, world)
+    ready = start(w)
+    if ready is None:
         return
-    conn.send({"op": "ready", "pid": os.getpid(), "metrics_port": w.metrics_port, "fingerprint": w.fingerprint(),
-               "knobs": dict(w.knobs), "ledger": w.ledger_params(), "budget_bytes": w.budget.limit, **setup})
+    conn.send(ready)
     w.serve()

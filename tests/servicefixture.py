@@ -8,12 +8,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
+
+from stepwatch import httpclient
 
 ADMIN_TOKEN = "test-admin-token"
 
@@ -41,6 +42,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _headers(h: httpx.Headers) -> dict[str, str]:
+    """Response headers by their canonical names (Retry-After, Content-Type), as the tests look them up."""
+    return {"-".join(w.capitalize() for w in k.split("-")): v for k, v in h.items()}
+
+
 class ServiceProc:
     def __init__(self, tmp: Path, overrides: dict[str, Any] | None = None, extra_args: list[str] | None = None,
                  ready_timeout: float = 240.0) -> None:
@@ -64,11 +70,8 @@ class ServiceProc:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"service exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if self.get("/readyz")[0] == 200:
-                    return
-            except OSError:
-                pass
+            if httpclient.ok(self.url + "/readyz"):
+                return
             time.sleep(0.3)
         raise TimeoutError(f"service not ready after {timeout}s:\n{self.log()}")
 
@@ -79,15 +82,10 @@ class ServiceProc:
     def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                 raw: bytes | None = None, timeout: float = 300) -> tuple[int, Any, dict[str, str]]:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or {})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                payload = r.read()
-                status, hdrs = r.status, dict(r.headers)
-        except urllib.error.HTTPError as e:
-            payload, status, hdrs = e.read(), e.code, dict(e.headers)
+        r = httpclient.request(method, self.url + path, content=data, headers=headers or {}, timeout=timeout)
+        hdrs = _headers(r.headers)
         ctype = hdrs.get("Content-Type", "")
-        return status, (json.loads(payload) if "json" in ctype else payload.decode()), hdrs
+        return r.status_code, (r.json() if "json" in ctype else r.text), hdrs
 
     def get(self, path: str) -> tuple[int, Any, dict[str, str]]:
         return self.request("GET", path, timeout=30)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from stepwatch.service import api
 from stepwatch.service.config import parse
-from stepwatch.service.server import Service
+from stepwatch.service.engine import Service
 
 CFG = parse({"pools": {"small": {"sizes": ["256x256"], "slo_seconds": 10}}, "warmup": []})
 

@@ -1,0 +1,265 @@
+"""The practice service's HTTP API: FastAPI, served by uvicorn (the stack vLLM and SGLang serve on).
+
+Endpoints: ``POST /v1/images/generations`` (OpenAI's images API), ``GET /healthz``,
+``/readyz``, ``/metrics``, ``/v1/stepwatch/info``, ``POST /admin/knobs`` (only
+with an admin token, loopback only) and ``GET /openapi.json``.
+
+The request body is read and checked here by hand rather than by a Pydantic
+body parameter, because the answers are pinned: 411 without a Content-Length,
+413 past the limit before the body is read, and a 400 in OpenAI's error shape
+naming the field (``api.validate``), where Pydantic would answer 422 in its
+own.  ``ImagesRequest`` is the typed model of that body for the OpenAPI schema.
+Errors close the connection (the body may be unread); answers keep it alive.
+
+The ``Service`` blocks (on the queue and the worker): its calls run on worker
+threads, never on the event loop.  Generation has its own thread limiter, sized
+past the queue's limit, so a full queue answers 429 at once instead of waiting
+for a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from types import FrameType
+from typing import Any, Literal, TypeVar
+
+import anyio
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from stepwatch.service import api
+from stepwatch.service.engine import Service
+
+log = logging.getLogger("stepwatch.service")
+T = TypeVar("T")
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LOOPBACK = ("127.0.0.1", "::1")
+
+
+class ImagesRequest(BaseModel):
+    """``POST /v1/images/generations``: OpenAI's fields plus ``steps``, ``guidance_scale`` and ``seed``.
+    Other OpenAI fields (model, quality, style, user) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    prompt: str = Field(min_length=1, max_length=api.MAX_PROMPT_CHARS)
+    n: int = Field(1, ge=1, description="images per request, up to the config's max_n")
+    size: str | None = Field(None, pattern=r"^\d+x\d+$", description="WxH, multiples of 16 (default: the config's)")
+    response_format: Literal["b64_json"] = "b64_json"
+    steps: int | None = Field(None, ge=1, description="denoising steps, up to the config's max_steps")
+    guidance_scale: float = Field(1.0, ge=0.0, le=30.0, description="> 1 runs classifier-free guidance")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1, description="same deployment + same seed: same image")
+
+
+class ImageData(BaseModel):
+    b64_json: str
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    stepwatch: dict[str, Any] = Field(description="shape, pool, queue and stage seconds, cache hits, fingerprint")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": text} for code, text in (
+        (400, "bad input; ``param`` names the field"), (411, "no Content-Length"), (413, "body too large"),
+        (429, "the pool is overloaded (Retry-After)"), (503, "warming up or the worker died (Retry-After)"),
+        (504, "generation timed out"), (507, "out of memory: the stage, the shape and the fix"))}
+IMAGES_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": ImagesRequest.model_json_schema()}}}}
+
+router = APIRouter()
+
+
+def _error(e: api.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), e.status, {**e.headers, "Connection": "close"})
+
+
+def _internal(e: Exception) -> api.ApiError:
+    return api.ApiError(500, f"internal error: {type(e).__name__}", None, "internal_error", "server_error")
+
+
+def _service(request: Request) -> Service:
+    svc: Service = request.app.state.service
+    return svc
+
+
+async def _in_thread(request: Request, fn: Callable[..., T], *args: Any) -> T:
+    """Run a blocking Service call on a worker thread of the generation limiter."""
+    return await anyio.to_thread.run_sync(partial(fn, *args), limiter=request.app.state.limiter)
+
+
+async def _read_body(request: Request) -> bytes:
+    length = request.headers.get("content-length")
+    if length is None or not (length.isascii() and length.isdigit()):
+        raise api.ApiError(411, "Content-Length is required", None, "length_required")
+    n = int(length)
+    if n > api.MAX_BODY_BYTES:
+        raise api.ApiError(413, f"request body is {n} bytes; the limit is {api.MAX_BODY_BYTES}", None,
+                           "body_too_large")
+    return await request.body()
+
+
+@router.post("/v1/images/generations", response_model=ImagesResponse, responses=ERRORS, openapi_extra=IMAGES_BODY)
+async def generations(request: Request) -> Response:
+    """Generate images; counted in the service's request metrics whatever the outcome."""
+    svc = _service(request)
+    t0 = time.monotonic()
+    pool, status = "other", 500
+    try:
+        body = api.parse_json(await _read_body(request))
+        pool = svc.pool_of(body)
+        status, answer, headers = await _in_thread(request, svc.generate, body)
+        response: Response = JSONResponse(answer, status, headers)
+    except api.ApiError as e:
+        status, response = e.status, _error(e)
+    except Exception as e:  # never take the instance down for one request
+        log.exception("unexpected error serving a request")
+        status, response = 500, _error(_internal(e))
+    if await request.is_disconnected():
+        status = 499  # the client went away before the answer (nginx's convention)
+    svc.count(pool, status, t0)
+    return response
+
+
+@router.post("/admin/knobs", responses=ERRORS)
+async def admin_knobs(request: Request) -> Response:
+    """Change runtime knobs (cache, threshold, VAE tiling, compile, baselines, rank delays)."""
+    svc = _service(request)
+    try:
+        _check_admin(svc, request)
+        knobs = api.parse_json(await _read_body(request))
+        return JSONResponse(await _in_thread(request, svc.set_knobs, knobs))
+    except api.ApiError as e:
+        return _error(e)
+    except Exception as e:
+        log.exception("admin request failed")
+        return _error(_internal(e))
+
+
+def _check_admin(svc: Service, request: Request) -> None:
+    token = svc.cfg.admin_token
+    if not token:
+        raise api.ApiError(404, "admin endpoint is off (no admin_token configured)", None, "not_found")
+    if request.client is None or request.client.host not in LOOPBACK:
+        raise api.ApiError(403, "admin endpoint is loopback only", None, "forbidden")
+    auth = request.headers.get("authorization", "")
+    if not hmac.compare_digest(auth.encode(), f"Bearer {token}".encode()):
+        raise api.ApiError(401, "missing or wrong admin token", None, "unauthorized")
+
+
+@router.get("/healthz")
+async def healthz(request: Request) -> dict[str, Any]:
+    return {"status": "ok", "worker_up": _service(request).worker.alive()}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    ready = _service(request).ready
+    return JSONResponse({"ready": ready}, 200 if ready else 503)
+
+
+@router.get("/metrics")
+def metrics(request: Request) -> Response:
+    # A plain def: FastAPI runs it on a thread, since it asks the worker's exporter over HTTP.
+    return Response(_service(request).metrics_text(), media_type=METRICS_TYPE)
+
+
+@router.get("/v1/stepwatch/info")
+def info(request: Request) -> dict[str, Any]:
+    # A plain def: FastAPI runs it on a thread, since it asks the worker.
+    return _service(request).info()
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Routing errors in the API's error shape: 404 for an unknown path, 405 (with Allow) for a wrong method."""
+    assert isinstance(exc, StarletteHTTPException)
+    path = request.url.path
+    if exc.status_code == 404:
+        return _error(api.ApiError(404, f"no such path {path}", None, "not_found"))
+    if exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow", "")
+        return _error(api.ApiError(405, f"use {allow} for {path}", None, "method_not_allowed",
+                                   headers={"Allow": allow}))
+    return _error(api.ApiError(exc.status_code, str(exc.detail), None, "http_error"))
+
+
+def create_app(svc: Service) -> FastAPI:
+    """The ASGI app of one Service (docs pages off: they load scripts from a CDN; /openapi.json stays)."""
+    app = FastAPI(title="stepwatch practice service", version="1", docs_url=None, redoc_url=None)
+    app.state.service = svc
+    app.state.limiter = anyio.CapacityLimiter(svc.cfg.queue.max_queued + 32)
+    app.include_router(router)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the worker starts so a taken port fails fast (OSError)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with the service's own SIGTERM/SIGINT handling.
+
+    A signal stops accepting and, at once, stops the service (what is queued gets a 503, the worker
+    stops), so in-flight requests end instead of holding the shutdown; then serve() returns and the
+    process exits 0.  uvicorn's own handling would re-raise the signal after the shutdown instead.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        before = {sig: signal.signal(sig, self._exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
+    def _exit(self, _signum: int, _frame: FrameType | None) -> None:
+        self.should_exit = True
+        threading.Thread(target=self._on_signal, daemon=True, name="stepwatch-stop").start()
+
+
+def serve(svc: Service, sock: socket.socket) -> None:
+    """Serve the API on ``sock`` until SIGTERM/SIGINT; the caller starts and stops ``svc``."""
+    config = uvicorn.Config(create_app(svc), http="h11", lifespan="off", log_config=None, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=10, server_header=False,
+                            headers=[("server", "stepwatch")])
+    _Server(config, svc.stop).run(sockets=[sock])

@@ -1,0 +1,356 @@
+"""The practice service without its HTTP layer: admission, per-pool queues, dispatch to the worker, answers.
+
+One ``Service`` owns the queue (``queue.Scheduler``), one dispatcher thread
+that feeds the worker one request at a time, and the worker process
+(``worker_client.WorkerClient``).  An OOM fails that request with a 507 naming
+the stage, the shape and the fix; a worker that dies fails its in-flight
+request with a 503, is restarted (with backoff while it keeps dying before it
+is ready), and the restart is counted.  Every method here is thread-safe and
+may block (on the worker): the HTTP layer calls them from worker threads.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, generate_latest
+
+from stepwatch import httpclient
+from stepwatch.metrics import MetricSet
+from stepwatch.service import api, knobs
+from stepwatch.service.config import ServiceConfig, parse_size
+from stepwatch.service.fingerprint import fingerprint_id
+from stepwatch.service.messages import ReadyMsg, Reply, ResultMsg
+from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Scheduler, Ticket
+from stepwatch.service.worker_client import WorkerClient, WorkerDied, exit_text
+
+log = logging.getLogger("stepwatch.service")
+
+CODES = ("200", "429", "500", "503", "507")  # created at 0 per pool: a pool's first error is a visible increase
+Answer = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, headers
+
+
+def _server_error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> api.ApiError:
+    return api.ApiError(status, message, None, code, "server_error", headers)
+
+
+def _worker_died(message: str) -> api.ApiError:
+    return _server_error(503, message, "worker_died", {"Retry-After": "30"})
+
+
+WORKER_FAILED = "the worker cannot start; see the service log"
+
+
+class Service:
+    def __init__(self, cfg: ServiceConfig, registry: CollectorRegistry | None = None) -> None:
+        self.cfg = cfg
+        self.registry = registry or CollectorRegistry()
+        self.m = MetricSet(self.registry, "service")
+        self.instance_id = cfg.instance_id or f"{socket.gethostname()}:{cfg.port}"
+        self.predictor = Predictor()
+        self.scheduler = Scheduler(cfg.all_pools(), self.predictor, cfg.queue.policy, cfg.queue.aging,
+                                   cfg.queue.max_queued)
+        self.worker = WorkerClient(cfg, self.on_worker_ready, self._on_fatal, self.on_worker_died)
+        self.fingerprint: dict[str, Any] = {}
+        self.knobs: dict[str, Any] = {}
+        self.fatal: str | None = None
+        self._quick_deaths = 0  # worker deaths since it was last ready
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True, name="stepwatch-dispatch")
+        self._zero_metrics()
+
+    def _zero_metrics(self) -> None:
+        for p in self.cfg.all_pools():
+            for code in CODES:
+                self.m.service_requests_total.labels(pool=p.name, code=code)
+            self.m.service_images_nonfinite_total.labels(pool=p.name)
+            self.m.queue_rejected_total.labels(pool=p.name)
+            self.m.queue_slo_seconds.labels(pool=p.name).set(p.slo_seconds)
+            self.m.queue_depth.labels(pool=p.name).set(0)
+            self.m.queue_estimated_wait_seconds.labels(pool=p.name).set(0)
+        self.m.worker_restarts_total.inc(0)
+        self.m.worker_up.set(0)
+        self.m.service_ready.set(0)
+
+    # ----- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self.worker.start()
+        self._dispatcher.start()
+        threading.Thread(target=self._ticker, daemon=True, name="stepwatch-gauges").start()
+
+    def stop(self) -> None:
+        """Fail what is queued with a 503 and stop the worker; a second call waits for the first."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stop.set()
+            self._fail_queued(_server_error(503, "the service is shutting down", "shutting_down"))
+            self.worker.stop()
+            self._stopped = True
+
+    def _fail_queued(self, err: api.ApiError) -> None:
+        for t in self.scheduler.drain():
+            if not t.future.done():
+                t.future.set_exception(err)
+        self._update_gauges()
+
+    @property
+    def ready(self) -> bool:
+        return self.worker.ready.is_set()
+
+    def _on_fatal(self, message: str) -> None:
+        self.fatal = message
+
+    def on_worker_ready(self, msg: ReadyMsg) -> None:
+        self.fingerprint = msg["fingerprint"]
+        self.knobs = msg.get("knobs", {})
+        lp = msg.get("ledger")
+        if lp:
+            pf, ph, pw = lp["patch"]
+            self.predictor.ledger = LedgerParams(lp["p_tok"], lp["layers"], lp["hidden"], (pf, ph, pw),
+                                                 lp["cross_attention"], lp["vae_scale"], lp["text_tokens"])
+        self._prime_predictor(msg)
+        self._publish_config()
+        self._quick_deaths = 0
+        self.m.worker_up.set(1)
+        self.m.service_ready.set(1)
+        budget = msg.get("budget_bytes")
+        log.info("worker ready (pid %s, setup %.1fs, fingerprint %s, budget %s)", msg.get("pid"),
+                 msg.get("setup_seconds", 0), fingerprint_id(self.fingerprint),
+                 f"{budget / 2**20:.0f} MiB address space" if budget else "none")
+
+    def _prime_predictor(self, msg: ReadyMsg) -> None:
+        """The warm-up's steady-state runs (run 1) as the first observations of their shapes."""
+        for w in msg.get("warmup", []):
+            if w.get("run") == 1:
+                width, height = parse_size(w["size"])
+                req = api.GenerationRequest("", 1, width, height, self.cfg.warmup_steps, 1.0, 0)
+                for _ in range(3):
+                    self.predictor.observe(req, w["seconds"], w.get("stages", {}))
+
+    def on_worker_died(self, code: int | None) -> None:
+        self.m.worker_up.set(0)
+        self.m.service_ready.set(0)
+        if self._stop.is_set():
+            return
+        if self.fatal is not None:
+            log.error("worker cannot start; not restarting (see the error above)")
+            self._fail_queued(_server_error(503, WORKER_FAILED, "worker_failed"))
+            return
+        self.m.worker_restarts_total.inc()
+        # A worker that keeps dying before it is ready (killed during warm-up, say) is restarted with backoff.
+        delay = min(60.0, 2.0 ** self._quick_deaths - 1)
+        self._quick_deaths += 1
+        log.error("%s; restarting it%s", exit_text(code), f" in {delay:.0f}s" if delay else "")
+        if self._stop.wait(delay):
+            return
+        self.worker.start()
+
+    def config_id(self) -> str:
+        """The fingerprint plus every knob: changes with any runtime change (the fingerprint proper leaves out
+        the lossy knobs, since quality baselines must stay comparable across them)."""
+        return fingerprint_id({"fingerprint": self.fingerprint, "knobs": self.knobs})
+
+    def _publish_config(self) -> None:
+        info = {"instance_id": self.instance_id, "fingerprint_id": fingerprint_id(self.fingerprint),
+                "config_id": self.config_id()}
+        for k, v in sorted(self.knobs.items()):
+            info[k] = json.dumps(v) if isinstance(v, dict) else str(v)
+        # Info metrics keep old label sets; clear so only the current config shows.
+        self.m.service_config.clear()
+        self.m.service_config.info(info)
+
+    # ----- dispatch -------------------------------------------------------------------------
+    def _dispatch_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.worker.ready.wait(timeout=0.5):
+                continue
+            t = self.scheduler.take(timeout=0.5)
+            if t is None:
+                continue
+            if not t.future.set_running_or_notify_cancel():  # its client gave up while it queued
+                self.scheduler.done(t)
+                self._update_gauges()
+                continue
+            self._update_gauges()
+            self.m.queue_wait_seconds.labels(pool=t.pool).observe(time.monotonic() - t.enqueued)
+            try:
+                self._run_ticket(t)
+            finally:
+                self.scheduler.done(t)
+                self._update_gauges()
+
+    def _run_ticket(self, t: Ticket) -> None:
+        """One request on the worker; its client's Future gets the reply or the error to answer."""
+        timeout = self.cfg.request_timeout_seconds
+        try:
+            reply = self.worker.call({"op": "generate", "id": "", "request": t.request.__dict__}).result(
+                timeout=timeout)
+            if not t.future.done():
+                t.future.set_result(reply)
+        except WorkerDied as e:
+            if not t.future.done():
+                t.future.set_exception(_worker_died(
+                    f"the worker died while generating this request ({e}); it is restarting, retry shortly"))
+        except FutureTimeout:
+            log.error("request timed out after %ss; killing the worker", timeout)
+            if not t.future.done():
+                t.future.set_exception(_server_error(
+                    504, f"generation took longer than {timeout:.0f}s; the worker is restarting", "timeout"))
+            self.worker.kill()
+
+    def _ticker(self) -> None:
+        while not self._stop.wait(1.0):
+            self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        for pool, s in self.scheduler.snapshot().items():
+            self.m.queue_depth.labels(pool=pool).set(s["depth"])
+            self.m.queue_estimated_wait_seconds.labels(pool=pool).set(s["estimated_wait"])
+
+    # ----- requests -------------------------------------------------------------------------
+    def pool_of(self, body: Any) -> str:
+        """The pool a request body would go to (for its metrics, even when the body is bad)."""
+        size = body.get("size") if isinstance(body, dict) else None
+        return self.cfg.pool_for((size if isinstance(size, str) else self.cfg.default_size).lower()).name
+
+    def count(self, pool: str, status: int, t0: float) -> None:
+        """One answered request in the service's request counter and latency histogram."""
+        self.m.service_requests_total.labels(pool=pool, code=str(status)).inc()
+        self.m.service_request_duration_seconds.labels(pool=pool).observe(time.monotonic() - t0)
+
+    def generate(self, body: dict[str, Any]) -> Answer:
+        """Validate, queue, wait for the worker and answer; raises ApiError with the status to send."""
+        req = api.validate(body, self.cfg)
+        pool_cfg = self.cfg.pool_for(req.size)
+        t0 = time.monotonic()
+        ticket = self._admit(req, pool_cfg.name)
+        try:
+            reply = ticket.future.result(timeout=pool_cfg.max_wait_seconds + self.cfg.request_timeout_seconds + 60)
+        except FutureTimeout:
+            ticket.future.cancel()  # still queued: it will not run for nobody
+            raise _server_error(504, "generation did not finish in time", "timeout") from None
+        return self._answer(req, pool_cfg.name, ticket, reply, t0)
+
+    def _admit(self, req: api.GenerationRequest, pool: str) -> Ticket:
+        if self.fatal is not None:
+            raise _server_error(503, WORKER_FAILED, "worker_failed")
+        if not self.ready:
+            raise _server_error(503, "warming up (compiling the serving resolutions); retry shortly", "not_ready",
+                                {"Retry-After": "10"})
+        try:
+            ticket = self.scheduler.submit(req, pool)
+        except QueueFull as e:
+            self.m.queue_rejected_total.labels(pool=pool).inc()
+            raise api.ApiError(429, f"pool '{pool}' is overloaded: estimated wait {e.estimated_wait:.0f}s is past "
+                               f"its limit of {e.limit:.0f}s; retry after {e.retry_after}s", None, "overloaded",
+                               "rate_limit_error", {"Retry-After": str(e.retry_after)}) from None
+        self._update_gauges()
+        return ticket
+
+    def _answer(self, req: api.GenerationRequest, pool: str, ticket: Ticket, reply: Reply, t0: float) -> Answer:
+        if reply["op"] == "error":
+            if reply["kind"] == "oom":
+                raise _server_error(507, reply["message"], "out_of_memory")
+            raise _server_error(500, f"generation failed: {reply.get('message', '')}", "internal_error")
+        if reply["op"] != "result":
+            raise _server_error(500, f"generation failed: unexpected reply {reply['op']!r}", "internal_error")
+        self.predictor.observe(req, reply["seconds"], reply.get("stages", {}))
+        if reply.get("nonfinite"):
+            self.m.service_images_nonfinite_total.labels(pool=pool).inc(reply["nonfinite"])
+        body = {
+            "created": int(time.time()),
+            "data": [{"b64_json": base64.b64encode(png).decode()} for png in reply["images"]],
+            "stepwatch": self._stepwatch_fields(req, pool, ticket, reply, t0),
+        }
+        return 200, body, {}
+
+    def _stepwatch_fields(self, req: api.GenerationRequest, pool: str, ticket: Ticket, reply: ResultMsg,
+                          t0: float) -> dict[str, Any]:
+        """The answer's ``stepwatch`` object: where the time went, and what served it."""
+        queue_s = (ticket.started or t0) - ticket.enqueued
+        return {
+            "shape": reply.get("shape", req.shape), "pool": pool, "queue_seconds": round(queue_s, 4),
+            "seconds": round(reply["seconds"], 4), "total_seconds": round(time.monotonic() - t0, 4),
+            "stages": reply.get("stages", {}),
+            "steps": reply.get("steps"), "cache": reply.get("cache"), "instance_id": self.instance_id,
+            "fingerprint_id": fingerprint_id(self.fingerprint), "seed": req.seed,
+            "nonfinite_images": reply.get("nonfinite", 0),
+        }
+
+    def info(self) -> dict[str, Any]:
+        worker: dict[str, Any] = {}
+        if self.ready:
+            try:
+                worker = dict(self.worker.call({"op": "info", "id": ""}).result(timeout=30))
+            except Exception:
+                worker = {}
+        return {
+            "instance_id": self.instance_id, "fingerprint": self.fingerprint,
+            "fingerprint_id": fingerprint_id(self.fingerprint) if self.fingerprint else None,
+            "knobs": self.knobs, "config_id": self.config_id(), "ready": self.ready,
+            "pools": {p.name: {"sizes": p.sizes, "slo_seconds": p.slo_seconds, "max_wait_seconds": p.max_wait_seconds}
+                      for p in self.cfg.all_pools()},
+            "default_size": self.cfg.default_size, "default_steps": self.cfg.default_steps,
+            "warmup": self.cfg.warmup,
+            "worker": {k: worker.get(k) for k in ("pid", "rss_bytes", "vm_bytes", "budget_bytes")},
+            "uptime_seconds": round(time.time() - self.started, 1),
+        }
+
+    def set_knobs(self, new: Any) -> dict[str, Any]:
+        """Check the knobs, have the worker apply them, publish the new config; raises ApiError."""
+        try:
+            knobs.validate(new, self.cfg.ranks)
+        except knobs.KnobError as e:
+            raise api.ApiError(400, str(e), e.param, "invalid_knobs") from None
+        if not self.ready:
+            raise _server_error(503, "warming up; retry shortly", "not_ready")
+        before = dict(self.knobs)
+        reply = self._apply_knobs(new)
+        self.knobs = reply["knobs"]
+        self.fingerprint = reply["fingerprint"]
+        self._publish_config()
+        log.warning("admin knobs changed: %s -> %s (fingerprint %s, config %s)", before, self.knobs,
+                    fingerprint_id(self.fingerprint), self.config_id())
+        return {"knobs": self.knobs, "fingerprint": self.fingerprint,
+                "fingerprint_id": fingerprint_id(self.fingerprint), "config_id": self.config_id()}
+
+    def _apply_knobs(self, new: dict[str, Any]) -> dict[str, Any]:
+        try:
+            reply = self.worker.call({"op": "knobs", "id": "", "knobs": new}).result(
+                timeout=self.cfg.request_timeout_seconds)
+        except WorkerDied as e:
+            raise _worker_died(f"the worker died while applying the knobs ({e}); it is restarting") from None
+        except FutureTimeout:
+            raise _server_error(504, "the worker did not apply the knobs in time (busy with a long request?)",
+                                "timeout") from None
+        if reply["op"] == "error" and reply["kind"] == "invalid":
+            raise api.ApiError(400, reply["message"], reply.get("param"), "invalid_knobs")
+        if reply["op"] != "knobs":
+            raise _server_error(500, f"applying knobs failed: {reply.get('message')}", "internal_error")
+        return dict(reply)
+
+    def metrics_text(self) -> bytes:
+        """The service's metrics, then the worker's exporter metrics (absent while it restarts)."""
+        self._update_gauges()
+        text = generate_latest(self.registry)
+        info = self.worker.ready_info
+        if info and info.get("metrics_port"):
+            try:
+                r = httpclient.request("GET", f"http://127.0.0.1:{info['metrics_port']}/metrics", timeout=2)
+                r.raise_for_status()
+                text += r.content
+            except httpx.HTTPError as e:
+                log.debug("worker metrics unavailable: %s", e)
+        return text

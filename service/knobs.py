@@ -1,0 +1,86 @@
+"""The runtime knobs (POST /admin/knobs): one validation, run by the server before it forwards them and
+by the worker before it applies them, so a bad knob is refused the same way whoever sends it.
+
+A knob set is a JSON object of any of the names in ``KNOB_TYPES``.  A bad one raises ``KnobError``
+naming the knob (the server answers it as a 400).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from stepwatch.exporter.shapes import ShapeKey
+from stepwatch.service.cache import KINDS
+
+KNOB_TYPES: dict[str, type | tuple[type, ...]] = {
+    "cache": str, "cache_threshold": (int, float), "vae_tiling": bool, "compile": bool,
+    "rank_delay_seconds": dict, "baselines": dict,
+}
+BASELINE_FIELDS = ("step_seconds", "cache_hit_ratio")
+
+
+class KnobError(ValueError):
+    """A bad knob; ``param`` names it (None when the whole body is wrong)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def finite_nonneg(v: Any) -> bool:
+    """A real number (not a bool) in [0, inf)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v)
+
+
+def validate(knobs: Any, ranks: int) -> dict[str, Any]:
+    """``knobs`` if every knob is known, of its type and in range for a service of ``ranks`` ranks."""
+    if not isinstance(knobs, dict) or not knobs:
+        raise KnobError("expected a JSON object of knobs", None)
+    for k, v in knobs.items():
+        _check_type(k, v)
+    if "cache_threshold" in knobs and not finite_nonneg(knobs["cache_threshold"]):
+        raise KnobError(f"cache_threshold must be a finite number >= 0, got {knobs['cache_threshold']}",
+                        "cache_threshold")
+    if "cache" in knobs and knobs["cache"] not in KINDS:
+        raise KnobError(f"cache {knobs['cache']!r} is not one of {', '.join(KINDS)}", "cache")
+    if "baselines" in knobs:
+        _check_baselines(knobs["baselines"])
+    if "rank_delay_seconds" in knobs:
+        _check_rank_delays(knobs["rank_delay_seconds"], ranks)
+    return knobs
+
+
+def baseline_shapes(baselines: dict[str, Any]) -> dict[str, Any]:
+    """The per-shape table of a baselines knob: either the table itself or a baselines file's ``shapes``."""
+    shapes: dict[str, Any] = baselines.get("shapes", baselines)
+    return shapes
+
+
+def _check_type(k: str, v: Any) -> None:
+    if k not in KNOB_TYPES:
+        raise KnobError(f"unknown knob {k!r}; known: {', '.join(KNOB_TYPES)}", k)
+    typ = KNOB_TYPES[k]
+    if (isinstance(v, bool) and typ is not bool) or not isinstance(v, typ):
+        raise KnobError(f"knob {k!r} has the wrong type ({type(v).__name__})", k)
+
+
+def _check_baselines(baselines: dict[str, Any]) -> None:
+    shapes = baseline_shapes(baselines)
+    if not isinstance(shapes, dict):
+        raise KnobError("baselines: expected {shape: {step_seconds, cache_hit_ratio}}", "baselines")
+    for shape, vals in shapes.items():
+        try:
+            ShapeKey.parse(str(shape))
+        except ValueError as e:
+            raise KnobError(f"baselines: {e}", "baselines") from None
+        if not isinstance(vals, dict) or not all(k in BASELINE_FIELDS and finite_nonneg(v) for k, v in vals.items()):
+            raise KnobError(f"baselines: {shape}: expected {{step_seconds, cache_hit_ratio}} >= 0", "baselines")
+
+
+def _check_rank_delays(delays: dict[str, Any], ranks: int) -> None:
+    for r, d in delays.items():
+        rank = str(r)
+        if not (rank.isascii() and rank.isdigit()) or int(rank) >= ranks or not finite_nonneg(d):
+            raise KnobError(f"rank_delay_seconds: rank {r!r} / delay {d!r} invalid (ranks: {ranks})",
+                            "rank_delay_seconds")
