@@ -35,7 +35,7 @@ class _LastStepGuard:
         return bool(self._orig(residual))
 
     def install(self) -> None:
-        import torch
+        import torch  # here: the HTTP process imports this module (for KINDS) and must not load torch
 
         self._hook._should_compute_remaining_blocks = torch.compiler.disable(self._decide)
 
@@ -66,6 +66,7 @@ def apply_cache(pipe: Any, kind: str, threshold: float | None = None, steps: int
     """
     if kind not in KINDS:
         raise ValueError(f"cache kind {kind!r}: choose one of {', '.join(KINDS)}")
+    # Here: the HTTP process imports this module (for KINDS) and must not load diffusers and torch.
     from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
     from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 

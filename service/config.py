@@ -213,6 +213,17 @@ def _pool(name: str, p: Any, key: str) -> PoolConfig:
 
 
 def validate(cfg: ServiceConfig) -> None:
+    """Every check of a parsed config, in the order of its sections; the first failure raises ConfigError."""
+    _check_deployment(cfg)
+    _check_limits(cfg)
+    _check_compile_and_cache(cfg)
+    _check_queue(cfg)
+    _check_sizes(cfg)
+    if cfg.admin_token is not None and (not isinstance(cfg.admin_token, str) or len(cfg.admin_token) < 8):
+        raise ConfigError("admin_token: must be a string of at least 8 characters (or null: admin off)")
+
+
+def _check_deployment(cfg: ServiceConfig) -> None:
     _check_type(cfg.host, str, "host")
     _check_type(cfg.port, int, "port")
     if not 0 <= cfg.port < 65536:
@@ -225,6 +236,9 @@ def validate(cfg: ServiceConfig) -> None:
         raise ConfigError(f"baselines: {cfg.baselines} is not a file")
     if cfg.model is not None and not (Path(cfg.model) / "model_index.json").is_file():
         raise ConfigError(f"model: {cfg.model} is not a diffusers model directory (no model_index.json)")
+
+
+def _check_limits(cfg: ServiceConfig) -> None:
     for key in ("default_steps", "max_steps", "max_side", "max_pixels", "max_n", "text_tokens", "ranks", "seed",
                 "warmup_steps"):
         _check_type(getattr(cfg, key), int, key)
@@ -240,6 +254,9 @@ def validate(cfg: ServiceConfig) -> None:
     _check_type(cfg.request_timeout_seconds, (int, float), "request_timeout_seconds")
     if not cfg.request_timeout_seconds > 0:
         raise ConfigError("request_timeout_seconds: must be > 0")
+
+
+def _check_compile_and_cache(cfg: ServiceConfig) -> None:
     if cfg.compile.backend not in COMPILE_BACKENDS:
         raise ConfigError(f"compile.backend: {cfg.compile.backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
     if cfg.compile.mode not in COMPILE_MODES:
@@ -255,6 +272,9 @@ def validate(cfg: ServiceConfig) -> None:
         _check_type(cfg.memory_budget_mb, (int, float), "memory_budget_mb")
         if cfg.memory_budget_mb <= 0:
             raise ConfigError("memory_budget_mb: must be > 0 (or null for no budget)")
+
+
+def _check_queue(cfg: ServiceConfig) -> None:
     if cfg.queue.policy not in ("spf", "fifo"):
         raise ConfigError(f"queue.policy: {cfg.queue.policy!r} is not spf or fifo")
     _check_type(cfg.queue.aging, (int, float), "queue.aging")
@@ -263,6 +283,10 @@ def validate(cfg: ServiceConfig) -> None:
     _check_type(cfg.queue.max_queued, int, "queue.max_queued")
     if cfg.queue.max_queued < 1:
         raise ConfigError("queue.max_queued: must be >= 1")
+
+
+def _check_sizes(cfg: ServiceConfig) -> None:
+    """Every configured size is one the API would serve, and no size is in two pools."""
     if not isinstance(cfg.warmup, list):
         raise ConfigError("warmup: expected a list of WxH sizes")
     _servable(cfg, cfg.default_size, "default_size")
@@ -275,8 +299,6 @@ def validate(cfg: ServiceConfig) -> None:
             if s in seen:
                 raise ConfigError(f"pools.{p.name}.sizes: {s} is in two pools")
             seen.add(s)
-    if cfg.admin_token is not None and (not isinstance(cfg.admin_token, str) or len(cfg.admin_token) < 8):
-        raise ConfigError("admin_token: must be a string of at least 8 characters (or null: admin off)")
 
 
 def _servable(cfg: ServiceConfig, size: Any, key: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 def fingerprint(*, model_id: str, weights_digest: str, dtype: str, compile_mode: str, ranks: int,
                 device_type: str) -> dict[str, Any]:
+    # Here: the HTTP process imports this module (for fingerprint_id) and must not load torch.
     import diffusers
     import torch
     import transformers

@@ -5,6 +5,7 @@ with random weights drawn from a fixed seed: no hub, no downloads, and two
 processes with the same seed build bit-identical pipelines.  Given ``model``, a
 local model directory, the same function loads a real model instead
 (``DiffusionPipeline.from_pretrained``), which is what a GPU pod runs.
+Only processes that build a pipeline import this module (it imports torch).
 """
 
 from __future__ import annotations
@@ -14,6 +15,28 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLWan,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
 log = logging.getLogger("stepwatch.service.pipeline")
 
@@ -25,9 +48,6 @@ _SPECIALS = ("[UNK]", "[PAD]", "</s>", "<|endoftext|>")
 
 
 def _tokenizer(max_length: int, eos: str) -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {f"w{i}": i for i in range(_VOCAB_SIZE)}
     for i, s in enumerate(_SPECIALS):
         vocab[s] = _VOCAB_SIZE + i
@@ -47,8 +67,6 @@ def prompt_words(prompt: str) -> str:
 
 
 def _seeded(seed: int, salt: int) -> None:
-    import torch
-
     torch.manual_seed(seed * 1000 + salt)
 
 
@@ -61,8 +79,6 @@ def _sharpen(transformer: Any) -> None:
     FirstBlockCache a realistic trade-off on 256^2 x 8 steps: threshold 0.5
     -> a few hits, PSNR > 40 dB; 1.0 -> ~28-33 dB; 3.0 -> ~25 dB.
     """
-    import torch
-
     with torch.no_grad():
         for name, p in transformer.named_parameters():
             if ("norm" in name and "linear" in name) or name.startswith("time_text_embed"):
@@ -72,9 +88,6 @@ def _sharpen(transformer: Any) -> None:
 
 
 def _tiny_flux(seed: int) -> Any:
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
     vocab = _VOCAB_SIZE + len(_SPECIALS)
     _seeded(seed, 1)
     clip = CLIPTextModel(CLIPTextConfig(
@@ -108,9 +121,6 @@ def _tiny_flux(seed: int) -> Any:
 
 
 def _tiny_wan(seed: int) -> Any:
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
     vocab = _VOCAB_SIZE + len(_SPECIALS)
     _seeded(seed, 1)
     umt5 = UMT5EncoderModel(UMT5Config(
@@ -135,15 +145,11 @@ def _tiny_wan(seed: int) -> Any:
 def build_pipeline(family: str = "flux", model: str | os.PathLike[str] | None = None, seed: int = 0,
                    device: str = "cpu", dtype: str | None = None) -> Any:
     """A ready pipeline: the tiny offline one of ``family``, or the model directory ``model``."""
-    import torch
-
     torch_dtype = getattr(torch, dtype) if dtype else None
     if model is not None:
         path = Path(model)
         if not (path / "model_index.json").is_file():
             raise FileNotFoundError(f"{path} is not a diffusers model directory (no model_index.json)")
-        from diffusers import DiffusionPipeline
-
         pipe = DiffusionPipeline.from_pretrained(str(path), torch_dtype=torch_dtype, local_files_only=True)
     elif family == "flux":
         pipe = _tiny_flux(seed)
@@ -160,8 +166,6 @@ def build_pipeline(family: str = "flux", model: str | os.PathLike[str] | None = 
 
 def weights_digest(pipe: Any) -> str:
     """sha256 over every parameter and buffer of every module: the weights' identity."""
-    import torch
-
     h = hashlib.sha256()
     for name in sorted(pipe.components):
         comp = pipe.components[name]

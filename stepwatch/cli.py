@@ -12,8 +12,8 @@ from typing import Any
 # name -> (module, help).  A module provides add_arguments(parser) and run(args) -> int.
 # Nested groups map a name to a dict of the same.
 COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
-    "demo": ("stepwatch.service.demo", "run the main job on the embedded default and summarize"),
-    "serve": ("stepwatch.service.server", "run the practice inference service (OpenAI-style image API)"),
+    "demo": ("stepwatch.service.cli_demo", "run the main job on the embedded default and summarize"),
+    "serve": ("stepwatch.service.cli_serve", "run the practice inference service (OpenAI-style image API)"),
     "sidecar": ("stepwatch.exporter.sidecar.main", "run the sidecar: NVML collector and quality prober"),
     "baseline": {
         "capture": ("stepwatch.exporter.sidecar.capture", "store quality baseline images with the fingerprint"),
@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     },
     "bench": {
         "overhead": ("stepwatch.exporter.bench", "instrumentation overhead per step, bare vs instrumented"),
-        "service": ("stepwatch.service.bench", "service throughput and latency vs the bare pipeline"),
+        "service": ("stepwatch.service.cli_bench", "service throughput and latency vs the bare pipeline"),
     },
     "gpu-check": ("stepwatch.exporter.gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
 }

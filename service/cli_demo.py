@@ -1,0 +1,57 @@
+"""``stepwatch demo``: the main job on the embedded default.
+
+Brings up the local stack on loopback ports - the practice service (a real
+offline FLUX pipeline, instrumented, compiled, under a memory budget), the
+sidecar (quality prober), Prometheus with the drill-profile rules and
+Alertmanager routing to a webhook receiver - sends traffic, runs every fault
+drill (the seeds' three, queue overload, and a straggler rank on a two-rank
+stack), and ends with the path of the drill report.
+
+``--exporter-only`` runs the small in-process demo instead: the exporter on the
+practice pipeline at two shapes, /metrics served on loopback, a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from stepwatch.fault_injection import cli_drill
+from stepwatch.service.config import ConfigError, parse_size
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drills", nargs="+", default=["all"], metavar="NAME",
+                   help="drills to run (default: all; 'seeds' for the seeds' three)")
+    p.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default=None,
+                   help="torch.compile backend of the practice service (default: inductor)")
+    p.add_argument("--out", default="reports", help="report directory (default: %(default)s)")
+    p.add_argument("--exporter-only", action="store_true", help="the small in-process exporter demo instead")
+    p.add_argument("--port", type=int, default=9464, help="loopback port for /metrics (0: any free port)")
+    p.add_argument("--shapes", nargs="+", default=["512x512", "1024x1024"], metavar="WxH",
+                   help="image sizes to generate (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=8, help="denoising steps per image (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=3, help="requests per shape (default: %(default)s)")
+    p.add_argument("--cache-threshold", type=float, default=0.6,
+                   help="first-block cache threshold on the second shape (default: %(default)s)")
+    p.add_argument("--hold", type=float, default=0.0,
+                   help="keep serving /metrics this many seconds after the summary (default: exit)")
+
+
+def _sizes(shapes: list[str]) -> list[tuple[int, int]]:
+    try:
+        return [parse_size(s) for s in shapes]
+    except ConfigError as e:
+        raise SystemExit(f"demo: bad --shapes {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.exporter_only:
+        # Imported here: the exporter demo runs the pipeline (torch) in this process; the drills do not.
+        from stepwatch.service import demo
+
+        return demo.exporter_demo(_sizes(args.shapes), port=args.port, steps=args.steps, requests=args.requests,
+                                  cache_threshold=args.cache_threshold, hold=args.hold)
+    drill_args = argparse.Namespace(drills=args.drills, out=args.out, compile_backend=args.compile_backend,
+                                    no_snapshots=False, no_triage=False, json=False, record=None,
+                                    service=None, prometheus=None, alertmanager=None, admin_token=None)
+    return cli_drill.run(drill_args)
