@@ -23,10 +23,13 @@ import yaml
 from stepwatch.alerts import defs, gotemplate
 from stepwatch.alerts.promql import (
     cache_hit_ratio,
+    device_peak_flops,
     fill,
     mean_step_time,
     num,
+    over_positive,
     ratio_of_rates,
+    ratio_to_fastest,
     sel,
     sum_rate,
     text_values,
@@ -70,7 +73,7 @@ class Recording:
 # ----- recording rules ------------------------------------------------------------------------
 
 STEP, LEDGER = "stepwatch_pipeline_step_duration_seconds", "stepwatch_ledger_flops_total"
-PEAK = "max by (job, instance) (stepwatch_device_peak_flops_per_second > 0)"
+PEAK = device_peak_flops()
 WAIT, SLO = "stepwatch_queue_estimated_wait_seconds", "stepwatch_queue_slo_seconds"
 RANK_STEP = "stepwatch_rank_step_duration_seconds"
 
@@ -109,14 +112,13 @@ def _ranks_and_errors(w: str) -> list[Recording]:
     """Per-rank busy time per step (and against the fastest rank), and the 5xx ratio per pool."""
     busy = ratio_of_rates("stepwatch_rank_busy_seconds_total", "stepwatch_rank_steps_total", w,
                           "job, instance, rank")
-    nested = textwrap.indent(tidy(busy), "    ")
     requests = "stepwatch_service_requests_total"
     return [
         Recording(f"instance_rank:stepwatch_rank_busy_seconds:mean_rate{w}", busy,
                   f"each sequence-parallel rank's mean busy seconds per step over {w} (step time minus collective "
                   "waits; the straggler works longest)"),
         Recording(f"instance_rank:stepwatch_rank_busy_seconds:ratio_to_fastest_rate{w}",
-                  f"  (\n{nested}\n  )\n/ on (job, instance) group_left\n  min by (job, instance) (\n{nested}\n  )",
+                  ratio_to_fastest(busy),
                   f"each rank's busy seconds per step / the fastest rank's, over {w}; 1 = the fastest"),
         Recording(f"pool:stepwatch_service_requests:error_ratio_rate{w}",
                   ratio_of_rates(sel(requests, 'code=~"5.."'), requests, w, "job, pool", zero_fill=True),
@@ -127,7 +129,7 @@ def _ranks_and_errors(w: str) -> list[Recording]:
 def _gauge_recordings() -> list[Recording]:
     """Ratios of gauges (no window): queue wait against the SLO, rank step time against the fastest."""
     return [
-        Recording(f"instance_pool:{WAIT}:slo_ratio", f"  {WAIT}\n/ on (job, instance, pool)\n  ({SLO} > 0)",
+        Recording(f"instance_pool:{WAIT}:slo_ratio", over_positive(f"  {WAIT}", SLO, "job, instance, pool"),
                   "estimated queue wait / the pool's latency SLO, per instance and pool (0.5 = half the SLO)"),
         Recording(f"pool:{WAIT}:max", f"max by (job, pool) ({WAIT})",
                   "worst estimated queue wait of a pool over its instances, in seconds"),

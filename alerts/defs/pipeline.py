@@ -22,7 +22,7 @@ from stepwatch.alerts.defs.base import (
     ramp,
     rate_window,
 )
-from stepwatch.alerts.promql import above_bucket, events, num
+from stepwatch.alerts.promql import above_bucket, events, num, over_positive
 from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError
 from stepwatch.catalog import MEMORY_RATIO_BUCKETS
 
@@ -33,10 +33,9 @@ SUBSYSTEM = "pipeline"
 
 def _step_time_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
     w = rate_window(th, profile)
-    return (f"  instance_shape:stepwatch_pipeline_step_duration_seconds:mean_rate{w}\n"
-            f"/ on (job, instance, shape)\n"
-            f"  (stepwatch_baseline_step_duration_seconds > 0)\n"
-            f"> {num(spec.threshold)}")
+    share = over_positive(f"  instance_shape:stepwatch_pipeline_step_duration_seconds:mean_rate{w}",
+                          "stepwatch_baseline_step_duration_seconds", "job, instance, shape")
+    return f"{share}\n> {num(spec.threshold)}"
 
 
 def _step_time_cases(p: Timing) -> list[Case]:

@@ -16,7 +16,7 @@ from stepwatch.alerts.defs.base import (
     pending,
     ramp,
 )
-from stepwatch.alerts.promql import events, num
+from stepwatch.alerts.promql import events, num, since
 from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError
 
 SUBSYSTEM = "quality"
@@ -61,7 +61,7 @@ def _probe_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
     missed = _missed_probes(spec)
     return (events("stepwatch_quality_probe_failures_total", need_window(spec, profile), spec.threshold)
             + "\nor\n  (\n"
-            "      time() - (stepwatch_quality_last_success_timestamp_seconds > 0)\n"
+            f"      {since('stepwatch_quality_last_success_timestamp_seconds')}\n"
             "    > on (job, instance, probe_set)\n"
             f"      {missed} * stepwatch_quality_probe_interval_seconds\n  )")
 
