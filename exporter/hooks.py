@@ -1,0 +1,178 @@
+"""The wrappers the patch registry installs: the hot path, so each records only what it must.
+
+Each wrapper looks up the calling thread's request once; outside a request (or when the pipeline
+is called on another thread) it is a pass-through.  Hook bodies are the handle's methods, called
+through the instance (so a test or ``gpu-check`` can replace one), and never raise into the
+pipeline: their errors go to the handle's guard under the hook's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from stepwatch.exporter import patches
+from stepwatch.exporter.request import RequestMarks
+
+if TYPE_CHECKING:  # typing only: instrument imports this module
+    from stepwatch.exporter.instrument import Instrumentation
+
+ATTR = "_stepwatch"  # the pipeline's instance attribute holding its Instrumentation
+
+
+def stage(inst: Instrumentation, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """Around a stage call (``te``: encode_prompt, ``vae``: vae.decode): its bounds and memory window."""
+    local = inst._local
+    enter_name, exit_name = f"{kind}.enter", f"{kind}.exit"
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        req = getattr(local, "req", None)
+        if req is not None:
+            try:
+                inst._stage_enter(req, kind)
+            except Exception as e:
+                inst._guard.fail(enter_name, e)
+        out = fn(*args, **kwargs)
+        if req is not None:
+            try:
+                inst._stage_exit(req, kind)
+            except Exception as e:
+                inst._guard.fail(exit_name, e)
+        return out
+
+    wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapped
+
+
+def set_timesteps(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """After scheduler.set_timesteps: the planned steps; denoising starts here."""
+    local = inst._local
+
+    def set_timesteps(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        req = getattr(local, "req", None)
+        if req is not None:
+            try:
+                inst._denoise_start(req)
+            except Exception as e:
+                inst._guard.fail(patches.SET_TIMESTEPS, e)
+        return out
+
+    set_timesteps.__wrapped__ = fn  # type: ignore[attr-defined]
+    return set_timesteps
+
+
+def step(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """After scheduler.step: one mark per step and the step's branch count, nothing else."""
+    local = inst._local
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        req = getattr(local, "req", None)
+        if req is not None:
+            try:
+                req.step_marks.append(inst.clock.mark())
+                if req.calls > req.max_branches:
+                    req.max_branches = req.calls
+                req.calls = 0
+            except Exception as e:
+                inst._guard.fail(patches.STEP, e)
+        return out
+
+    step.__wrapped__ = fn  # type: ignore[attr-defined]
+    return step
+
+
+def cache_context(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Around transformer.cache_context (one per CFG branch): counts the branch; with a cache active,
+    wraps the context so the cache's decision is read once the branch's transformer call is done."""
+    local = inst._local
+
+    def cache_context(name: str, *args: Any, **kwargs: Any) -> Any:
+        inner = fn(name, *args, **kwargs)
+        req = getattr(local, "req", None)
+        if req is None:
+            return inner
+        req.calls += 1
+        if req.cache is None:
+            return inner
+        return BranchContext(inst, req, inner, name)
+
+    cache_context.__wrapped__ = fn  # type: ignore[attr-defined]
+    return cache_context
+
+
+class BranchContext:
+    """A cache_context whose exit reads the branch's cache decision."""
+
+    __slots__ = ("_inner", "_inst", "_name", "_req")
+
+    def __init__(self, inst: Instrumentation, req: RequestMarks, inner: Any, name: str) -> None:
+        self._inst = inst
+        self._req = req
+        self._inner = inner
+        self._name = name
+
+    def __enter__(self) -> Any:
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = self._inner.__exit__(*exc)
+        try:
+            self._inst._on_branch_end(self._req, self._name)
+        except Exception as e:
+            self._inst._guard.fail("transformer.cache_context", e)
+        return result
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _call(inst: Instrumentation, original_call: Callable[..., Any], pipe: Any, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> Any:
+    req = None
+    try:
+        req = inst._begin(args, kwargs)
+    except Exception as e:
+        inst._guard.fail("request.begin", e)
+        inst._local.req = None
+    try:
+        out = original_call(pipe, *args, **kwargs)
+    except BaseException as exc:
+        if req is not None:
+            try:
+                inst._end(req, exc)
+            except Exception as e:
+                inst._guard.fail("request.end", e)
+        raise
+    if req is not None:
+        try:
+            inst._end(req, None)
+        except Exception as e:
+            inst._guard.fail("request.end", e)
+    return out
+
+
+def instrumented_class(cls: type) -> type:
+    """A subclass whose __call__ wraps the original one with request bookkeeping (one per class)."""
+    sub = _CLASS_CACHE.get(cls)
+    if sub is not None:
+        return sub
+    original_call = cls.__call__
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inst: Instrumentation | None = self.__dict__.get(ATTR)
+        if inst is None:
+            return original_call(self, *args, **kwargs)
+        return _call(inst, original_call, self, args, kwargs)
+
+    __call__.__doc__ = original_call.__doc__
+    __call__.__wrapped__ = original_call  # type: ignore[attr-defined]
+    sub = type(cls.__name__, (cls,), {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_stepwatch_original_class": cls,
+    })
+    _CLASS_CACHE[cls] = sub
+    return sub

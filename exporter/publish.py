@@ -1,0 +1,122 @@
+"""The publish step: one RequestReport becomes metric observations.
+
+Label children are looked up once per shape (``labels()`` costs more than ``observe()``), and
+event counters (OOMs, serving compiles) exist at 0 from a shape's first appearance, so the
+first event is an increase that ``rate()`` and ``increase()`` see.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stepwatch.exporter.report import RequestReport
+from stepwatch.exporter.request import PEAK_STAGES, STAGES
+from stepwatch.metrics import MetricSet
+
+OTHER_STAGES = ("prepare", "postprocess")
+
+
+class ShapeChildren:
+    """Label children of one shape, looked up once."""
+
+    def __init__(self, m: MetricSet, shape: str) -> None:
+        self.ok = m.pipeline_requests_total.labels(shape=shape, outcome="ok")
+        self.request = m.pipeline_request_duration_seconds.labels(shape=shape)
+        self.stages = {s: m.pipeline_stage_duration_seconds.labels(shape=shape, stage=s) for s in STAGES}
+        self.step = m.pipeline_step_duration_seconds.labels(shape=shape)
+        self.branches = m.pipeline_cfg_branches.labels(shape=shape)
+        self.position = m.cache_hit_position_ratio.labels(shape=shape)
+        self.step_flops = m.ledger_step_flops.labels(shape=shape)
+        self.flops = m.ledger_flops_total.labels(shape=shape)
+        self._m = m
+        self._shape = shape
+        self._mfu: Any = None
+
+    @property
+    def mfu(self) -> Any:
+        """Created on first use: an MFU series at 0 would read as "no useful work", not "unknown"."""
+        if self._mfu is None:
+            self._mfu = self._m.ledger_mfu_ratio.labels(shape=self._shape)
+        return self._mfu
+
+
+class Publisher:
+    """Writes reports into one MetricSet for one device."""
+
+    def __init__(self, metrics: MetricSet, device: str) -> None:
+        self.metrics = metrics
+        self.device = device
+        self.capacity = metrics.memory_capacity_bytes.labels(device=device)
+        self.ratio = metrics.memory_peak_ratio.labels(device=device)
+        self._children: dict[str, ShapeChildren] = {}
+        self._peaks: dict[str, Any] = {}
+
+    def zero_events(self, shape: str) -> None:
+        """Event counters of ``shape`` at 0 (for the allowlist: from the start)."""
+        self.metrics.compile_total.labels(shape=shape, phase="serving")
+        for stage in (*STAGES, *OTHER_STAGES):
+            self.metrics.oom_total.labels(shape=shape, stage=stage)
+
+    def children(self, shape: str) -> ShapeChildren:
+        c = self._children.get(shape)
+        if c is None:
+            c = self._children[shape] = ShapeChildren(self.metrics, shape)
+            self.zero_events(shape)
+        return c
+
+    def publish(self, r: RequestReport) -> None:
+        c = self.children(r.shape_label)
+        self._timings(r, c)
+        if r.cache:
+            self._cache(r, r.cache, c)
+        for ev in r.compiles:
+            self.compile(r.shape_label, ev.phase, ev.seconds)
+        self._memory(r)
+        if r.step_flops:
+            c.step_flops.set(r.step_flops)
+            if r.step_seconds:
+                c.flops.inc(r.step_flops * len(r.step_seconds))
+        if r.mfu is not None:
+            c.mfu.set(r.mfu)
+
+    def compile(self, shape: str, phase: str, seconds: float) -> None:
+        self.metrics.compile_total.labels(shape=shape, phase=phase).inc()
+        self.metrics.compile_duration_seconds.labels(shape=shape, phase=phase).observe(seconds)
+
+    def _timings(self, r: RequestReport, c: ShapeChildren) -> None:
+        if r.outcome == "ok":
+            c.ok.inc()
+        else:
+            self.metrics.pipeline_requests_total.labels(shape=r.shape_label, outcome=r.outcome).inc()
+        c.request.observe(r.seconds)
+        for stage, sec in r.stages.items():
+            c.stages[stage].observe(sec)
+        if r.step_seconds:
+            for s in r.step_seconds:
+                c.step.observe(s)
+            c.branches.set(r.cfg_branches)
+
+    def _cache(self, r: RequestReport, cache: str, c: ShapeChildren) -> None:
+        m = self.metrics
+        hits, misses = r.hits, r.misses
+        if hits:
+            m.cache_decisions_total.labels(shape=r.shape_label, cache=cache, decision="hit").inc(hits)
+        if misses:
+            m.cache_decisions_total.labels(shape=r.shape_label, cache=cache, decision="miss").inc(misses)
+        steps = r.shape.steps if r.shape else max(1, len(r.step_seconds))
+        for step, _branch, hit in r.cache_decisions:
+            if hit:
+                c.position.observe(step / steps)
+
+    def _memory(self, r: RequestReport) -> None:
+        peaks = self._peaks
+        for stage in PEAK_STAGES:  # every stage, every request: one it skipped reads 0, not stale
+            g = peaks.get(stage)
+            if g is None:
+                g = peaks[stage] = self.metrics.memory_peak_bytes.labels(device=r.device, stage=stage)
+            g.set(r.memory_peak_bytes.get(stage, 0))
+        if r.memory_capacity_bytes:
+            self.capacity.set(r.memory_capacity_bytes)
+            self.ratio.observe(r.memory_peak_bytes.get("request", 0) / r.memory_capacity_bytes)
+        if r.outcome == "oom":
+            self.metrics.oom_total.labels(shape=r.shape_label, stage=r.failed_stage or "unknown").inc()

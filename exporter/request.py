@@ -1,0 +1,261 @@
+"""One request's recorded marks, and the pure step that turns them into a RequestReport.
+
+The hooks only record (clock marks, branch counts, cache decisions, memory peaks) while the
+request runs; everything derived (durations, the shape, FLOPs, MFU, the peaks per stage) is
+computed here afterwards, once device timings are ready.  No Prometheus, no pipeline: the
+step is a function of the marks, a clock and the labeler, so it is unit-tested on plain
+numbers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepwatch.exporter import caches, ledger
+from stepwatch.exporter.report import CompileEvent, RequestReport
+from stepwatch.exporter.shapes import ShapeKey, ShapeLabeler
+
+STAGES = ("text_encode", "denoise", "vae_decode")
+PEAK_STAGES = (*STAGES, "request")
+
+Bounds = tuple[float, float]  # seconds from the request start
+
+
+@dataclass
+class RequestMarks:
+    """What the hooks record for one request in flight (marks are the clock's: floats or CUDA events)."""
+
+    start: Any
+    start_unix: float
+    height: int | None
+    width: int | None
+    frames: int | None
+    steps_hint: int | None
+    cfg_hint: bool
+    text_tokens: int
+    parent_ctx: Any
+    cache: tuple[str, caches.Decision] | None
+    stage: str = "prepare"
+    mem_stage: str = "prepare"
+    te_spans: list[tuple[Any, Any]] = field(default_factory=list)
+    te_open: Any = None
+    denoise_start: Any = None
+    planned_steps: int | None = None
+    step_marks: list[Any] = field(default_factory=list)
+    calls: int = 0  # transformer branches (CFG) in the current step
+    max_branches: int = 0
+    decisions: list[tuple[int, str, bool]] = field(default_factory=list)
+    vae_spans: list[tuple[Any, Any]] = field(default_factory=list)
+    vae_open: Any = None
+    end: Any = None
+    compiles: list[tuple[float, float]] = field(default_factory=list)
+    peaks: dict[str, int] = field(default_factory=dict)
+    capacity: int = 0
+    outcome: str = "ok"
+    error: str | None = None
+    oom_demand: int | None = None
+
+
+@dataclass
+class Resolved:
+    """A report plus the bounds the spans are drawn from."""
+
+    report: RequestReport
+    stage_bounds: dict[str, Bounds]
+    step_bounds: list[Bounds]
+
+
+@dataclass
+class ResolveContext:
+    """What resolving needs besides the marks; ``step_flops(marks, branches)`` is None without a ledger."""
+
+    seconds: Callable[[Any, Any], float]
+    labeler: ShapeLabeler
+    device: str
+    peak_flops: float | None = None
+    step_flops: Callable[[RequestMarks, int], float | None] | None = None
+
+
+def _spans(req: RequestMarks, ctx: ResolveContext, spans: list[tuple[Any, Any]]) -> tuple[float, Bounds]:
+    """Total time of a stage that may run more than once (two encoders, tiled decode), and its bounds."""
+    s = ctx.seconds
+    return sum(s(a, b) for a, b in spans), (s(req.start, spans[0][0]), s(req.start, spans[-1][1]))
+
+
+def _timings(req: RequestMarks, ctx: ResolveContext) -> tuple[dict[str, float], dict[str, Bounds], list[Bounds]]:
+    """Stage seconds, stage bounds and step bounds.  A step runs from the previous step's end (the first
+    from the end of set_timesteps) to its scheduler.step return, so it covers all CFG branches."""
+    stages: dict[str, float] = {}
+    bounds: dict[str, Bounds] = {}
+    if req.te_spans:
+        stages["text_encode"], bounds["text_encode"] = _spans(req, ctx, req.te_spans)
+    steps: list[Bounds] = []
+    if req.denoise_start is not None and req.step_marks:
+        prev = ctx.seconds(req.start, req.denoise_start)
+        for m in req.step_marks:
+            t = ctx.seconds(req.start, m)
+            steps.append((prev, t))
+            prev = t
+        stages["denoise"] = steps[-1][1] - steps[0][0]
+        bounds["denoise"] = (steps[0][0], steps[-1][1])
+    if req.vae_spans:
+        stages["vae_decode"], bounds["vae_decode"] = _spans(req, ctx, req.vae_spans)
+    return stages, bounds, steps
+
+
+def _peaks(req: RequestMarks) -> tuple[dict[str, int], str | None]:
+    """Peak bytes per stage and for the request; on a failure, the stage it failed in.  An OOM's demand
+    (in use + the refused allocation) counts as its stage's peak: it is what did not fit."""
+    peaks = {k: v for k, v in req.peaks.items() if k not in ("prepare", "postprocess")}
+    request_peak = max(req.peaks.values()) if req.peaks else 0
+    failed_stage = None
+    if req.outcome != "ok":
+        failed_stage = req.stage
+        if req.oom_demand is not None and req.stage in STAGES:
+            peaks[req.stage] = max(peaks.get(req.stage, 0), req.oom_demand)
+            request_peak = max(request_peak, req.oom_demand)
+    peaks["request"] = request_peak
+    return peaks, failed_stage
+
+
+def resolve(req: RequestMarks, phase: str, ctx: ResolveContext) -> Resolved:
+    """The report of one finished request whose marks are all ready."""
+    stages, stage_bounds, step_bounds = _timings(req, ctx)
+    step_seconds = [b - a for a, b in step_bounds]
+    branches = req.max_branches
+    cfg = branches > 1 if branches else req.cfg_hint
+    steps = req.planned_steps or req.steps_hint or len(step_seconds)
+    shape = (ShapeKey(req.height, req.width, int(steps), cfg, req.frames)
+             if req.height and req.width and steps else None)
+    step_flops = None
+    if shape is not None and ctx.step_flops is not None:
+        step_flops = ctx.step_flops(req, max(branches, 2 if cfg else 1))
+    mean_step = sum(step_seconds) / len(step_seconds) if step_seconds else 0.0
+    peaks, failed_stage = _peaks(req)
+    report = RequestReport(
+        shape=shape,
+        shape_label=ctx.labeler.label(shape),
+        outcome=req.outcome,
+        seconds=ctx.seconds(req.start, req.end),
+        stages=stages,
+        step_seconds=step_seconds,
+        cfg_branches=branches,
+        cache=req.cache[0] if req.cache else None,
+        cache_decisions=req.decisions,
+        compiles=[CompileEvent(s, d, phase) for s, d in req.compiles],
+        memory_peak_bytes=peaks,
+        memory_capacity_bytes=req.capacity,
+        device=ctx.device,
+        step_flops=step_flops,
+        mfu=ledger.mfu(step_flops, mean_step, ctx.peak_flops) if step_flops else None,
+        failed_stage=failed_stage,
+        error=req.error,
+        start_unix=req.start_unix,
+    )
+    return Resolved(report, stage_bounds, step_bounds)
+
+
+class StepFlops:
+    """The ledger's FLOPs per step for a request's geometry, memoized (requests repeat a few shapes)."""
+
+    _MEMO_MAX = 256
+
+    def __init__(self, model: ledger.LedgerModel, pipe: Any) -> None:
+        self.model = model
+        self.spatial = int(getattr(pipe, "vae_scale_factor_spatial", 0) or getattr(pipe, "vae_scale_factor", 8) or 8)
+        self.temporal = int(getattr(pipe, "vae_scale_factor_temporal", 4) or 4)
+        self._memo: dict[tuple[Any, ...], float] = {}
+
+    def __call__(self, req: RequestMarks, branches: int) -> float | None:
+        if not req.height or not req.width:
+            return None
+        key = (req.height, req.width, req.frames, req.text_tokens, branches)
+        cached = self._memo.get(key)
+        if cached is not None:
+            return cached
+        n, n_txt = self.model.tokens(req.height, req.width, req.frames, self.spatial, self.temporal,
+                                     req.text_tokens)
+        flops = branches * self.model.forward_flops(n, n_txt)
+        if len(self._memo) < self._MEMO_MAX:
+            self._memo[key] = flops
+        return flops
+
+
+class CallSignature:
+    """Positional names and defaults of the pipeline's __call__, read once; binding is a dict merge."""
+
+    def __init__(self, cls: type) -> None:
+        self.names: list[str] = []
+        self.defaults: dict[str, Any] = {}
+        try:
+            sig = inspect.signature(cls.__call__)
+        except (TypeError, ValueError):
+            return
+        for i, (name, p) in enumerate(sig.parameters.items()):
+            if i == 0 or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                self.names.append(name)
+            if p.default is not p.empty:
+                self.defaults[name] = p.default
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        out = dict(self.defaults)
+        if args:
+            out.update(zip(self.names, args, strict=False))
+        out.update(kwargs)
+        return out
+
+
+def default_size(pipe: Any) -> int | None:
+    """The pipeline's own default height/width, for calls that do not pass them."""
+    sample = getattr(pipe, "default_sample_size", None)
+    scale = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None)
+    if sample and scale:
+        return int(sample) * int(scale)
+    return None
+
+
+def cfg_hint(pipe: Any, params: Mapping[str, Any]) -> bool:
+    """CFG on? Only used when no transformer call was observed (the request failed early)."""
+    true_cfg = params.get("true_cfg_scale")
+    if true_cfg is not None and "guidance_scale" in params and "negative_prompt" in params:
+        return bool(true_cfg > 1 and (params.get("negative_prompt") or params.get("negative_prompt_embeds")))
+    gs = params.get("guidance_scale")
+    return bool(gs is not None and gs > 1 and not getattr(getattr(pipe, "transformer", None), "config", {})
+                .get("guidance_embeds", False))
+
+
+def denoiser(pipe: Any) -> Any:
+    """The transformer (or UNet), unwrapped from torch.compile's OptimizedModule for its config and hooks."""
+    t = getattr(pipe, "transformer", None)  # not `or`: an OptimizedModule's truth test raises
+    if t is None:
+        t = getattr(pipe, "unet", None)
+    return getattr(t, "_orig_mod", t)
+
+
+def marks_for(pipe: Any, params: Mapping[str, Any], *, start: Any, start_unix: float, text_tokens: int | None,
+              parent_ctx: Any, cache: tuple[str, caches.Decision] | None) -> RequestMarks:
+    """A request's marks from its bound call parameters (sizes default to the pipeline's)."""
+    height, width = params.get("height"), params.get("width")
+    if height is None or width is None:
+        default = default_size(pipe)
+        height = height or default
+        width = width or default
+    frames = params.get("num_frames")
+    tokens = params.get("max_sequence_length") or text_tokens or 0
+    return RequestMarks(
+        start=start,
+        start_unix=start_unix,
+        height=int(height) if height else None,
+        width=int(width) if width else None,
+        frames=int(frames) if isinstance(frames, int) and frames > 1 else None,
+        steps_hint=params.get("num_inference_steps"),
+        cfg_hint=cfg_hint(pipe, params),
+        text_tokens=int(tokens),
+        parent_ctx=parent_ctx,
+        cache=cache,
+    )
