@@ -1,40 +1,29 @@
-"""``stepwatch bench overhead``: what instrumentation costs, bare vs instrumented, side by side.
+"""Instrumentation overhead, measured (``stepwatch bench overhead``; see cli_bench for the method).
 
-Two pipelines built from the same seed (bit-identical), one instrumented, run
-interleaved in one process with the same seeds, alternating which goes first
-so drift (thermal, caches, other load) hits both alike.  Per case it reports
-the median per-step time of each variant (a step timed by the same
-``callback_on_step_end`` in both) and the overhead per step from the median of
-paired whole-request differences (each instrumented call against the bare
-call next to it), so per-request bookkeeping is counted too.
+The stub pipeline isolates the hooks' own host cost; ``run_case`` measures a real
+pipeline bare and instrumented, interleaved and paired so drift cancels.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import itertools
-import json
+import random
 import statistics
-import sys
 import time
 from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from stepwatch.exporter import instrument
+from stepwatch.service.cache import apply_cache
+from stepwatch.service.pipeline import build_pipeline
 
 DEFAULT_CASES = ("256x4", "1024x4")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), metavar="SIZExSTEPS",
-                   help="square size x steps per case (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=0,
-                   help="interleaved rounds per case (default: 40 below 512^2, else 24)")
-    p.add_argument("--cache", default="none", choices=("none", "first_block_cache"),
-                   help="run both variants with this cache on (default: none)")
-    p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
-
-
 def _timed_call(pipe: Any, size: int, steps: int, seed: int) -> tuple[float, list[float]]:
-    import torch
-
     marks: list[float] = []
 
     def on_step(_pipe: Any, _i: int, _t: Any, kw: dict[str, Any]) -> dict[str, Any]:
@@ -73,8 +62,6 @@ class _StubTransformer:
         return iter(())
 
     def cache_context(self, name: str) -> Any:
-        import contextlib
-
         return contextlib.nullcontext()
 
     def __call__(self, x: Any) -> Any:
@@ -113,10 +100,6 @@ class StubPipeline:
 
 def hooks_cost(steps: int = 4, calls: int = 20000) -> dict[str, float]:
     """Per-request and per-step host cost of the hooks, bare vs instrumented stub, interleaved."""
-    from prometheus_client import CollectorRegistry
-
-    from stepwatch.exporter import instrument
-
     bare, inst = StubPipeline(), StubPipeline()
     instrument(inst, registry=CollectorRegistry())
     per: dict[str, list[float]] = {"bare": [], "inst": []}
@@ -134,8 +117,6 @@ def hooks_cost(steps: int = 4, calls: int = 20000) -> dict[str, float]:
 
 def _ci(diffs: list[float], steps: int) -> tuple[float, float]:
     """95% bootstrap interval of the median paired difference, in us per step."""
-    import random
-
     rng = random.Random(0)
     meds = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(400))
     return meds[10] / steps * 1e6, meds[389] / steps * 1e6
@@ -170,52 +151,27 @@ def run_case(bare: Any, inst_pipe: Any, size: int, steps: int, rounds: int) -> d
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    import logging
 
-    from prometheus_client import CollectorRegistry
 
-    from stepwatch.exporter import instrument
-    from stepwatch.service.cache import apply_cache
-    from stepwatch.service.pipeline import build_pipeline
+def parse_case(case: str) -> tuple[int, int]:
+    """``SIZExSTEPS`` (e.g. ``256x4``) -> (size, steps); ValueError naming the expected form."""
+    try:
+        size_s, steps_s = case.lower().split("x")
+        return int(size_s), int(steps_s)
+    except ValueError:
+        raise ValueError(f"bad case {case!r}; expected SIZExSTEPS like 256x4") from None
 
-    logging.getLogger("diffusers").setLevel(logging.ERROR)
-    cases = []
-    for c in args.cases:
-        try:
-            size_s, steps_s = c.lower().split("x")
-            cases.append((int(size_s), int(steps_s)))
-        except ValueError:
-            print(f"bench overhead: bad case {c!r}; expected SIZExSTEPS like 256x4", file=sys.stderr)
-            return 2
-    print("building two identical practice pipelines (seed 0)...", file=sys.stderr)
+
+def default_rounds(size: int) -> int:
+    return 40 if size < 512 else 24
+
+
+def pipelines(cache: str) -> tuple[Any, Any]:
+    """Two identical practice pipelines (seed 0), the second instrumented; ``cache`` on both unless "none"."""
     bare = build_pipeline("flux", seed=0)
     inst_pipe = build_pipeline("flux", seed=0)
-    if args.cache != "none":
-        apply_cache(bare, args.cache, 0.5)
-        apply_cache(inst_pipe, args.cache, 0.5)
+    if cache != "none":
+        apply_cache(bare, cache, 0.5)
+        apply_cache(inst_pipe, cache, 0.5)
     instrument(inst_pipe, registry=CollectorRegistry())
-    print("measuring the hooks' own cost on a stub pipeline (no compute)...", file=sys.stderr)
-    hooks = hooks_cost()
-    results = []
-    print(f"{'shape':<16}{'step ms bare':>14}{'step ms instr':>15}{'us/step':>10}{'95% CI':>18}{'ratio':>9}")
-    for size, steps in cases:
-        rounds = args.rounds or (40 if size < 512 else 24)
-        print(f"  running {size}x{size} x {steps} steps, {rounds} interleaved rounds...", file=sys.stderr)
-        r = run_case(bare, inst_pipe, size, steps, rounds)
-        results.append(r)
-        ci = r["overhead_us_per_step_ci95"]
-        print(f"{r['shape']:<16}{r['step_ms_bare']:>14.3f}{r['step_ms_instrumented']:>15.3f}"
-              f"{r['overhead_us_per_step']:>10.1f}{f'[{ci[0]:.0f}, {ci[1]:.0f}]':>18}{r['ratio']:>9.4f}")
-    print(f"hooks alone (stub pipeline, 4 steps): {hooks['request_us']:.1f} us per request, "
-          f"{hooks['per_step_us']:.1f} us per step")
-    print("target: ratio <= 1.01 and <= 20 us per step.  Wall-clock differences below the CI width are noise;"
-          " the stub row is the precise host cost.")
-    if args.json:
-        keys = ("shape", "step_ms_bare", "step_ms_instrumented", "overhead_us_per_step", "ratio")
-        print(json.dumps({
-            "cases": [{k: r[k] for k in keys} | {"ci95": r["overhead_us_per_step_ci95"], "rounds": r["rounds"]}
-                      for r in results],
-            "hooks_only": hooks,
-        }))
-    return 0
+    return bare, inst_pipe

@@ -1,4 +1,4 @@
-"""``stepwatch gpu-check``: prove on a real GPU that CUDA timing adds no synchronization.
+"""Prove on a real GPU that CUDA timing adds no synchronization (``stepwatch gpu-check``).
 
 Run on a machine with one CUDA GPU (under 5 minutes on an H100/H200).  It
 builds a FLUX.1-dev-shaped pipeline (the full 57-block transformer, 11.9 B
@@ -20,36 +20,35 @@ which is how the script itself is tested without a GPU.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-_HOOK_METHODS = ("_begin", "_end", "_stage_enter", "_stage_exit", "_denoise_start", "_on_branch_end", "_emit",
-                 "_drain_pending")
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from prometheus_client import CollectorRegistry, generate_latest
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+from stepwatch.exporter import Instrumentation, instrument, uninstrument
+from stepwatch.exporter.ledger import peak_flops_for
+from stepwatch.exporter.report import RequestReport
+from stepwatch.exposition import parse_exposition
+from stepwatch.service.pipeline import _tokenizer, build_pipeline
+
+# Every hook body the wrappers call through the handle (see exporter/hooks.py), plus the request's end.
+HOOK_METHODS = ("_begin", "_end", "_stage_enter", "_stage_exit", "_denoise_start", "_on_branch_end", "_emit",
+                "_drain_pending")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
-    p.add_argument("--size", type=int, default=1024, help="square image size (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=4, help="denoising steps (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=3, help="instrumented requests (default: %(default)s)")
-    p.add_argument("--small", action="store_true", help="the tiny practice pipeline instead of FLUX.1-dev's shape")
-    p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+class NoGpu(RuntimeError):
+    """Asked for CUDA on a machine without it."""
 
 
 def _flux_dev_shaped(device: str) -> Any:
     """FLUX.1-dev's transformer and VAE configs with random bf16 weights; small encoders of the right widths."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    from stepwatch.service.pipeline import _tokenizer
-
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -76,8 +75,6 @@ def _flux_dev_shaped(device: str) -> Any:
 
 
 def _sync_guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    import torch
-
     def wrapped(*a: Any, **k: Any) -> Any:
         prev = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
@@ -89,130 +86,144 @@ def _sync_guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-    from prometheus_client import CollectorRegistry
+@dataclass
+class Check:
+    """One gpu-check session: the pipeline, its handle and how to call it."""
 
-    from stepwatch.exporter import instrument, uninstrument
-    from stepwatch.exporter.ledger import peak_flops_for
+    device: str
+    size: int
+    steps: int
+    pipe: Any
+    text_tokens: int
+    gpu: str
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    inst: Instrumentation | None = None
 
-    cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        print("gpu-check: no CUDA device here; run it on a machine with a GPU (or --device cpu --small for a "
-              "dry run of the code path)")
-        return 2
-    results: dict[str, Any] = {"device": args.device, "size": args.size, "steps": args.steps, "checks": {}}
-    t0 = time.perf_counter()
-    if args.small:
-        from stepwatch.service.pipeline import build_pipeline
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
-        pipe = build_pipeline("flux", seed=0, device=args.device)
-        text_tokens = 32
-    else:
-        print("building a FLUX.1-dev-shaped pipeline with random bf16 weights...", flush=True)
-        pipe = _flux_dev_shaped(args.device)
-        text_tokens = 512
-    name = torch.cuda.get_device_name(0) if cuda else "cpu"
-    results["gpu"] = name
-    print(f"built in {time.perf_counter() - t0:.1f}s on {name}", flush=True)
+    def call(self, **kw: Any) -> Any:
+        return self.pipe("a photo of a lighthouse at dusk", height=self.size, width=self.size,
+                         num_inference_steps=self.steps, max_sequence_length=self.text_tokens, guidance_scale=3.5,
+                         output_type="latent" if self.cuda else "np", generator=torch.Generator().manual_seed(0),
+                         **kw)
 
-    def call(**kw: Any) -> Any:
-        return pipe("a photo of a lighthouse at dusk", height=args.size, width=args.size,
-                    num_inference_steps=args.steps, max_sequence_length=text_tokens, guidance_scale=3.5,
-                    output_type="latent" if cuda else "np", generator=torch.Generator().manual_seed(0), **kw)
-
-    call()  # warm kernels / allocator
-    registry = CollectorRegistry()
-    inst = instrument(pipe, registry=registry, text_tokens=text_tokens)
-    detector_ok = True
-    if cuda:
-        for m in _HOOK_METHODS:
-            setattr(inst, m, _sync_guarded(getattr(inst, m)))
-        inst.clock.mark = _sync_guarded(inst.clock.mark)
-        probe = _sync_guarded(lambda: torch.ones(1, device=args.device).item())
-        try:
-            probe()
-            detector_ok = False
-        except RuntimeError:
-            detector_ok = True
-    results["checks"]["sync_detector_fires"] = detector_ok
-
-    def settle() -> None:
-        if cuda:
+    def settle(self) -> None:
+        """Wait until the last request's report is resolved."""
+        if self.cuda:
             # Outside stepwatch: lets the events complete.  The sync-debug mode is process-wide, so the
             # resolver thread (which runs hook code under "error") must finish before the next call.
             torch.cuda.synchronize()
         deadline = time.time() + 10
-        while inst._pending and time.time() < deadline:
+        while self.inst is not None and self.inst._pending and time.time() < deadline:
             time.sleep(0.01)
 
-    reports = []
-    for _ in range(args.requests):
-        call()
-        settle()
-        reports.append(inst.last_report)
-    # The same calls timed two ways: CUDA events (stepwatch) and a synchronize at every step boundary
-    # in the pipeline's own step callback (outside stepwatch, so the sync check does not apply to it).
+    @property
+    def last(self) -> RequestReport | None:
+        return self.inst.last_report if self.inst is not None else None
+
+
+def build(device: str, size: int, steps: int, small: bool, log: Callable[[str], None] = print) -> Check:
+    """The pipeline to check, warmed once before it is instrumented; NoGpu without CUDA."""
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise NoGpu("gpu-check: no CUDA device here; run it on a machine with a GPU (or --device cpu --small for "
+                    "a dry run of the code path)")
+    t0 = time.perf_counter()
+    if small:
+        pipe, text_tokens = build_pipeline("flux", seed=0, device=device), 32
+    else:
+        log("building a FLUX.1-dev-shaped pipeline with random bf16 weights...")
+        pipe, text_tokens = _flux_dev_shaped(device), 512
+    gpu = torch.cuda.get_device_name(0) if cuda else "cpu"
+    log(f"built in {time.perf_counter() - t0:.1f}s on {gpu}")
+    check = Check(device, size, steps, pipe, text_tokens, gpu)
+    check.call()  # warm kernels / allocator
+    return check
+
+
+def guard_hooks(check: Check) -> bool:
+    """Instrument, and on CUDA run every hook body under sync-debug "error"; True when the detector fires on a
+    deliberate sync (on the CPU there is nothing to detect)."""
+    inst = check.inst = instrument(check.pipe, registry=check.registry, text_tokens=check.text_tokens)
+    if not check.cuda:
+        return True
+    for m in HOOK_METHODS:
+        setattr(inst, m, _sync_guarded(getattr(inst, m)))
+    inst.clock.mark = _sync_guarded(inst.clock.mark)
+    probe = _sync_guarded(lambda: torch.ones(1, device=check.device).item())
+    try:
+        probe()
+    except RuntimeError:
+        return True
+    return False
+
+
+def event_vs_sync(check: Check, runs: int = 2) -> tuple[list[float], list[float]]:
+    """The same call timed two ways: CUDA events (stepwatch) and a synchronize at every step boundary in
+    the pipeline's own step callback (outside stepwatch, so the sync check does not apply to it).
+    Returns the relative differences of the mean step per run, and the last run's synchronized steps."""
     diffs: list[float] = []
     ref_steps: list[float] = []
-    for _ in range(2):
+    for _ in range(runs):
         marks: list[float] = []
 
         def sync_step(_p: Any, _i: int, _t: Any, kw: dict[str, Any], marks: list[float] = marks) -> dict[str, Any]:
-            if cuda:
+            if check.cuda:
                 torch.cuda.synchronize()
             marks.append(time.perf_counter())
             return kw
 
-        call(callback_on_step_end=sync_step)
-        settle()
-        ev = inst.last_report.step_seconds[1:] if inst.last_report else []
+        check.call(callback_on_step_end=sync_step)
+        check.settle()
+        ev = check.last.step_seconds[1:] if check.last else []
         ref_steps = [b - a for a, b in itertools.pairwise(marks)]
         if ev and len(ev) == len(ref_steps):
             diffs.append(abs(statistics.mean(ev) - statistics.mean(ref_steps)) / statistics.mean(ref_steps))
-    from prometheus_client import generate_latest
+    return diffs, ref_steps
 
-    from stepwatch.exposition import parse_exposition
 
+def exporter_errors(registry: CollectorRegistry) -> dict[str | None, float]:
+    """Non-zero ``stepwatch_exporter_errors_total`` by component."""
     data = parse_exposition(generate_latest(registry).decode())
-    errors = {dict(k[1]).get("component"): v for k, v in data.items() if k[0] == "stepwatch_exporter_errors_total"
-              and v > 0}
+    return {dict(k[1]).get("component"): v for k, v in data.items()
+            if k[0] == "stepwatch_exporter_errors_total" and v > 0}
+
+
+def _summary(check: Check, rep: RequestReport, diffs: list[float], ref_steps: list[float]) -> dict[str, Any]:
+    ev_mean = statistics.mean(rep.step_seconds[1:])
+    peak = peak_flops_for(check.gpu) if check.cuda else None
+    return {
+        "step_seconds_events": [round(s, 5) for s in rep.step_seconds],
+        "step_seconds_synchronized": [round(s, 5) for s in ref_steps],
+        "event_vs_sync_relative_diff": [round(d, 4) for d in diffs],
+        "step_flops": rep.step_flops,
+        "peak_flops": peak,
+        "mfu": (rep.step_flops / ev_mean / peak) if (peak and rep.step_flops) else None,
+        "stages": rep.stages,
+    }
+
+
+def run_check(check: Check, requests: int) -> tuple[dict[str, Any], RequestReport | None]:
+    """All checks on a built pipeline; the results (``checks`` maps each to pass/fail) and the last report."""
+    results: dict[str, Any] = {"device": check.device, "size": check.size, "steps": check.steps,
+                               "checks": {}, "gpu": check.gpu}
+    results["checks"]["sync_detector_fires"] = guard_hooks(check)
+    reports = []
+    for _ in range(requests):
+        check.call()
+        check.settle()
+        reports.append(check.last)
+    diffs, ref_steps = event_vs_sync(check)
+    errors = exporter_errors(check.registry)
     results["exporter_errors"] = errors
     results["checks"]["no_sync_in_hooks"] = sum(errors.values()) == 0
-    rep = reports[-1]
-    results["checks"]["reports_resolved"] = rep is not None and len(rep.step_seconds) == args.steps
+    rep = reports[-1] if reports else None
+    results["checks"]["reports_resolved"] = rep is not None and len(rep.step_seconds) == check.steps
     if rep is None:
-        print("no report was resolved")
-        return 1
-    ev_mean = statistics.mean(rep.step_seconds[1:])
-    results["step_seconds_events"] = [round(s, 5) for s in rep.step_seconds]
-    results["step_seconds_synchronized"] = [round(s, 5) for s in ref_steps]
-    results["event_vs_sync_relative_diff"] = [round(d, 4) for d in diffs]
+        return results, None
+    results.update(_summary(check, rep, diffs, ref_steps))
     results["checks"]["event_times_match_sync_times"] = bool(diffs) and min(diffs) <= 0.1
-    peak = peak_flops_for(name) if cuda else None
-    results["step_flops"] = rep.step_flops
-    results["peak_flops"] = peak
-    results["mfu"] = (rep.step_flops / ev_mean / peak) if (peak and rep.step_flops) else None
-    results["stages"] = rep.stages
-    uninstrument(pipe)
-    timer = "CUDA events" if cuda else "host clock"
-    print(f"\nper-step seconds ({timer}): {' '.join(f'{s:.4f}' for s in rep.step_seconds)}")
-    print(f"per-step seconds (synchronized): {' '.join(f'{s:.4f}' for s in ref_steps)}")
-    print("stages: " + ", ".join(f"{k} {v:.3f}s" for k, v in rep.stages.items()))
-    if rep.step_flops:
-        print(f"ledger: {rep.step_flops / 1e12:.1f} TFLOP per step (CFG branches: {rep.cfg_branches})")
-    if results["mfu"] is not None and peak:
-        print(f"MFU at {args.size}^2: {results['mfu']:.3f} (peak {peak / 1e12:.0f} TFLOP/s, eager bf16)")
-    for k, ok in results["checks"].items():
-        print(f"{'PASS' if ok else 'FAIL'}  {k}")
-    if errors:
-        print(f"exporter errors: {errors}")
-    if args.json:
-        print(json.dumps(results, default=str))
-    return 0 if all(results["checks"].values()) else 1
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__)
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))
+    uninstrument(check.pipe)
+    return results, rep

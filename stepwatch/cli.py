@@ -14,9 +14,9 @@ from typing import Any
 COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "demo": ("stepwatch.service.cli_demo", "run the main job on the embedded default and summarize"),
     "serve": ("stepwatch.service.cli_serve", "run the practice inference service (OpenAI-style image API)"),
-    "sidecar": ("stepwatch.exporter.sidecar.main", "run the sidecar: NVML collector and quality prober"),
+    "sidecar": ("stepwatch.exporter.sidecar.cli_sidecar", "run the sidecar: NVML collector and quality prober"),
     "baseline": {
-        "capture": ("stepwatch.exporter.sidecar.capture", "store quality baseline images with the fingerprint"),
+        "capture": ("stepwatch.exporter.sidecar.cli_capture", "store quality baseline images with the fingerprint"),
     },
     "rules": {
         "generate": ("stepwatch.alerts.cli_rules", "write Prometheus rules, PrometheusRule and stack configs"),
@@ -32,10 +32,10 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "eval": ("stepwatch.triage.cli_eval", "score triage on recorded scenarios"),
     },
     "bench": {
-        "overhead": ("stepwatch.exporter.bench", "instrumentation overhead per step, bare vs instrumented"),
+        "overhead": ("stepwatch.exporter.cli_bench", "instrumentation overhead per step, bare vs instrumented"),
         "service": ("stepwatch.service.cli_bench", "service throughput and latency vs the bare pipeline"),
     },
-    "gpu-check": ("stepwatch.exporter.gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
+    "gpu-check": ("stepwatch.exporter.cli_gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
 }
 
 _TOP_HELP = """\

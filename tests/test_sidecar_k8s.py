@@ -12,13 +12,13 @@ import pytest
 import yaml
 
 from stepwatch.alerts.thresholds import load
-from stepwatch.exporter.sidecar import main as sidecar_main
+from stepwatch.exporter.sidecar import cli_sidecar
 from stepwatch.exporter.sidecar.config import parse_config
-from stepwatch.service import server as service_server
+from stepwatch.service import cli_serve
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 # The service's documented CLI (docs/contracts.md): `stepwatch serve --host 127.0.0.1 --port 8000 --config FILE`,
-# /metrics on the same port.  The tests check the real parser (stepwatch.service.server) against it.
+# /metrics on the same port.  The tests check the real parser (stepwatch.service.cli_serve) against it.
 SERVICE_DEFAULT_PORT = 8000
 
 
@@ -33,7 +33,7 @@ def parser_of(add_arguments: Any) -> argparse.ArgumentParser:
 
 
 def service_parser() -> argparse.ArgumentParser:
-    return parser_of(service_server.add_arguments)
+    return parser_of(cli_serve.add_arguments)
 
 
 def pod() -> dict[str, Any]:
@@ -68,9 +68,9 @@ def test_inference_container_runs_the_service_on_its_default_port() -> None:
 def test_sidecar_container_matches_the_cli_defaults() -> None:
     c = container("stepwatch-sidecar")
     assert c["command"] == ["stepwatch", "sidecar"]
-    parser = parser_of(sidecar_main.add_arguments)
+    parser = parser_of(cli_sidecar.add_arguments)
     args = parser.parse_args(c["args"])
-    assert args.port == parser.get_default("port") == sidecar_main.DEFAULT_PORT == 9465
+    assert args.port == parser.get_default("port") == cli_sidecar.DEFAULT_PORT == 9465
     assert args.host == "0.0.0.0"
     assert port_named(c, "sidecar-metrics") == args.port
     target = urlparse(args.target)
@@ -85,7 +85,7 @@ def test_sidecar_config_in_the_configmap_is_valid_and_consistent(tmp_path: Path)
              == "stepwatch-sidecar"]
     cfg = parse_config(yaml.safe_load(cm["data"]["sidecar.yaml"]), Path("/"))
     c = container("stepwatch-sidecar")
-    args = parser_of(sidecar_main.add_arguments).parse_args(c["args"])
+    args = parser_of(cli_sidecar.add_arguments).parse_args(c["args"])
     assert cfg.target == args.target
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert str(cfg.baseline_dir) == mounts["baselines"]
@@ -105,7 +105,7 @@ def test_podmonitor_scrapes_both_containers() -> None:
     named = {p["name"]: p["containerPort"] for c in pod()["spec"]["containers"] for p in c["ports"]}
     eps = pm["spec"]["podMetricsEndpoints"]
     assert {e["port"] for e in eps} == {"http", "sidecar-metrics"}
-    assert named["http"] == SERVICE_DEFAULT_PORT and named["sidecar-metrics"] == sidecar_main.DEFAULT_PORT
+    assert named["http"] == SERVICE_DEFAULT_PORT and named["sidecar-metrics"] == cli_sidecar.DEFAULT_PORT
     production = load().profiles["production"].scrape_interval
     for e in eps:
         assert e["path"] == "/metrics"

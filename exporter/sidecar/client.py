@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 from numpy.typing import NDArray
 
+from stepwatch import httpclient
 from stepwatch.exporter.sidecar.config import ProbeItem
 
 # http_<code> for the codes the service documents (and proxies commonly add); anything else is http_other.
@@ -94,13 +95,13 @@ def encode_png(frame: NDArray[np.uint8]) -> bytes:
 
 
 class ServiceClient:
-    """A thin httpx client; ``transport`` is injectable for tests."""
+    """The service's API over ``stepwatch.httpclient`` (keep-alive; tests swap the transport with
+    ``httpclient.use_transport``)."""
 
-    def __init__(self, target: str, *, connect_timeout_s: float = 5.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, target: str, *, connect_timeout_s: float = 5.0) -> None:
         self.target = target.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
-        self._http = httpx.Client(base_url=self.target, transport=transport, trust_env=False)
+        self._http = httpclient.client(self.target)
 
     def close(self) -> None:
         self._http.close()

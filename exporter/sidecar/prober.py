@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 from prometheus_client import CollectorRegistry
 
-from stepwatch.alerts.thresholds import Thresholds
+from stepwatch.alerts.thresholds import Thresholds, load
 from stepwatch.catalog import METRICS
 from stepwatch.exporter.sidecar.baseline import Baseline, BaselineStore, Lookup
 from stepwatch.exporter.sidecar.client import REASONS, Generated, ProbeError, ServiceClient, ServiceInfo
@@ -141,11 +140,8 @@ class Prober:
                  gate: str | None = None, interval_s: float | None = None, timeout_s: float | None = None,
                  timeout_margin_s: float = 5.0, initial_timeout_s: float = 60.0, info_timeout_s: float = 5.0,
                  budget_ratio: float | None = None, min_interval_s: float = 5.0, retry_interval_s: float = 30.0,
-                 transport: httpx.BaseTransport | None = None,
                  wallclock: Callable[[], float] = time.time) -> None:
         if thresholds is None:
-            from stepwatch.alerts.thresholds import load
-
             thresholds = load()
         q = thresholds.quality
         self.probe_set = probe_set or default_probe_set()
@@ -164,7 +160,7 @@ class Prober:
         self.min_interval_s = min_interval_s
         self.retry_interval_s = retry_interval_s
         self.store = BaselineStore(baseline_dir)
-        self.client = ServiceClient(target, transport=transport)
+        self.client = ServiceClient(target)
         self.target = self.client.target
         self._wallclock = wallclock
         self.metrics = quality_metrics(registry)

@@ -1,0 +1,76 @@
+"""``stepwatch bench overhead``: what instrumentation costs, bare vs instrumented, side by side.
+
+Two pipelines built from the same seed (bit-identical), one instrumented, run
+interleaved in one process with the same seeds, alternating which goes first
+so drift (thermal, caches, other load) hits both alike.  Per case it reports
+the median per-step time of each variant (a step timed by the same
+``callback_on_step_end`` in both) and the overhead per step from the median of
+paired whole-request differences (each instrumented call against the bare
+call next to it), so per-request bookkeeping is counted too.  ``--hooks-only``
+measures just the hooks' own cost on a stub pipeline with no compute (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from stepwatch.exporter import bench
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cases", nargs="+", default=list(bench.DEFAULT_CASES), metavar="SIZExSTEPS",
+                   help="square size x steps per case (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="interleaved rounds per case (default: 40 below 512^2, else 24)")
+    p.add_argument("--cache", default="none", choices=("none", "first_block_cache"),
+                   help="run both variants with this cache on (default: none)")
+    p.add_argument("--hooks-only", action="store_true",
+                   help="only the stub pipeline's row: the hooks' own host cost, no model (quick)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+
+
+def _print_case(r: dict[str, Any]) -> None:
+    ci = r["overhead_us_per_step_ci95"]
+    print(f"{r['shape']:<16}{r['step_ms_bare']:>14.3f}{r['step_ms_instrumented']:>15.3f}"
+          f"{r['overhead_us_per_step']:>10.1f}{f'[{ci[0]:.0f}, {ci[1]:.0f}]':>18}{r['ratio']:>9.4f}")
+
+
+def _run_cases(cases: list[tuple[int, int]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    print("building two identical practice pipelines (seed 0)...", file=sys.stderr)
+    bare, inst_pipe = bench.pipelines(args.cache)
+    results = []
+    print(f"{'shape':<16}{'step ms bare':>14}{'step ms instr':>15}{'us/step':>10}{'95% CI':>18}{'ratio':>9}")
+    for size, steps in cases:
+        rounds = args.rounds or bench.default_rounds(size)
+        print(f"  running {size}x{size} x {steps} steps, {rounds} interleaved rounds...", file=sys.stderr)
+        results.append(bench.run_case(bare, inst_pipe, size, steps, rounds))
+        _print_case(results[-1])
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    try:
+        cases = [bench.parse_case(c) for c in args.cases]
+    except ValueError as e:
+        print(f"bench overhead: {e}", file=sys.stderr)
+        return 2
+    results = [] if args.hooks_only else _run_cases(cases, args)
+    print("measuring the hooks' own cost on a stub pipeline (no compute)...", file=sys.stderr)
+    hooks = bench.hooks_cost()
+    print(f"hooks alone (stub pipeline, 4 steps): {hooks['request_us']:.1f} us per request, "
+          f"{hooks['per_step_us']:.1f} us per step")
+    print("target: ratio <= 1.01 and <= 20 us per step.  Wall-clock differences below the CI width are noise;"
+          " the stub row is the precise host cost.")
+    if args.json:
+        keys = ("shape", "step_ms_bare", "step_ms_instrumented", "overhead_us_per_step", "ratio")
+        print(json.dumps({
+            "cases": [{k: r[k] for k in keys} | {"ci95": r["overhead_us_per_step_ci95"], "rounds": r["rounds"]}
+                      for r in results],
+            "hooks_only": hooks,
+        }))
+    return 0
