@@ -190,7 +190,7 @@ class ThreadedServer:
 
     def __init__(self, app: Any, host: str, port: int, name: str = "asgi-http") -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.create_server((host, port), family=family, backlog=128)
+        self.sock = _listen(family, host, port)
         self.url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
@@ -212,3 +212,16 @@ class ThreadedServer:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self.sock.close()
+
+
+def _listen(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
+    """A listening socket, as http.server made it (address reuse on); a failure is the OS's plain OSError."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
