@@ -109,7 +109,10 @@ class Replay:
     def stop(self) -> None:
         """Stop Prometheus and remove the temporary work directory; safe to call more than once."""
         proc, self.proc = self.proc, None
+        prom = self.__dict__.pop("prom", None)  # set once _start got that far
         try:
+            if prom is not None:
+                prom.close()
             if proc is not None:
                 proc.stop(timeout=15)
         finally:
