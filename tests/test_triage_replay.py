@@ -17,6 +17,7 @@ import pytest
 
 from stepwatch import httpclient
 from stepwatch.alerts import stack
+from stepwatch.promapi import Alertmanager
 from stepwatch.triage.engine import triage, webhook_payload
 from stepwatch.triage.receiver import TriageServer
 from stepwatch.triage.record import load_scenario, record_scenario
@@ -183,6 +184,10 @@ def test_real_alertmanager_notifies_serve(replays: dict[str, Replay], tmp_path: 
         oom = [{"labels": a["labels"], "annotations": a["annotations"]} for a in rp.alerts()
                if a["labels"]["alertname"] in ("StepwatchMemoryPressure", "StepwatchOutOfMemory")]
         httpclient.request("POST", base + "/api/v2/alerts", json=oom, timeout=5).raise_for_status()
+        with Alertmanager(base, timeout=5.0) as api:  # the API client against the real thing
+            assert api.ready()
+            assert sorted(a["labels"]["alertname"] for a in api.alerts()) == sorted(a["labels"]["alertname"]
+                                                                                   for a in oom)
         deadline = time.time() + 30
         while len(server.written) < 2 and time.time() < deadline:
             time.sleep(0.05)
