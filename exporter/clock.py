@@ -39,7 +39,7 @@ class HostClock:
 
 class CudaClock:
     def __init__(self) -> None:
-        import torch
+        import torch  # lazy: importing stepwatch.exporter must not import torch (sidecar, rules tools)
 
         self._event = torch.cuda.Event
 

@@ -56,7 +56,7 @@ class _Watch:
 
     def _install(self) -> None:
         try:
-            from torch._dynamo.callback import callback_handler
+            from torch._dynamo.callback import callback_handler  # lazy: keeps torch out of the sidecar
         except Exception:  # torch without dynamo: nothing to watch
             return
         self._handler = callback_handler
@@ -65,7 +65,7 @@ class _Watch:
         self._installed = True
 
     def _uninstall(self) -> None:
-        from torch._dynamo.callback import callback_handler
+        from torch._dynamo.callback import callback_handler  # lazy: keeps torch out of the sidecar
 
         for remove, cb in ((callback_handler.remove_start_callback, self._start_cb),
                            (callback_handler.remove_end_callback, self._end_cb)):

@@ -86,7 +86,7 @@ def _cfg(transformer: Any) -> dict[str, Any]:
 
 def ledger_model(transformer: Any) -> LedgerModel:
     """Read the ledger's inputs from a diffusers transformer (config plus its per-token Linears)."""
-    import torch
+    import torch  # lazy: importing stepwatch.exporter (the sidecar does) must not import torch
 
     cfg = _cfg(transformer)
     heads = int(cfg.get("num_attention_heads") or 0)

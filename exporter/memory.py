@@ -166,7 +166,7 @@ class CudaMemory:
     """Peak allocated bytes on one CUDA device; no synchronization involved."""
 
     def __init__(self, index: int) -> None:
-        import torch
+        import torch  # lazy: importing stepwatch.exporter must not import torch (sidecar, rules tools)
 
         self._cuda: Any = torch.cuda
         self._index = index

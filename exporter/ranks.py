@@ -21,6 +21,7 @@ under-counts it and the skew reads low (documented limitation).
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ _TARGET = ("diffusers.models.attention_dispatch", "_wait_tensor")
 
 class RankReporter:
     def __init__(self, group: Any = None) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: importing stepwatch.exporter must not import torch
 
         self._dist = dist
         self.group = group
@@ -44,9 +45,7 @@ class RankReporter:
         self.install()
 
     def install(self) -> None:
-        import importlib
-
-        mod = importlib.import_module(_TARGET[0])
+        mod = importlib.import_module(_TARGET[0])  # by name, when a reporter is made: diffusers is heavy
         current = getattr(mod, _TARGET[1])
         if getattr(current, "_stepwatch_rank_reporter", None) is not None:
             return
@@ -65,8 +64,6 @@ class RankReporter:
         setattr(mod, _TARGET[1], timed_wait)
 
     def uninstall(self) -> None:
-        import importlib
-
         if self._orig is None:
             return
         mod = importlib.import_module(_TARGET[0])

@@ -152,3 +152,22 @@ def test_sidecar_process_serves_metrics_and_stops_on_sigterm(standin: StandIn, t
     assert "probe cadence fixed at every 0.5 s (set explicitly)" in text
     assert "stopped" in text
     assert "Traceback" not in text
+
+
+_NO_HEAVY_IMPORTS = """
+import sys
+from stepwatch.exporter.sidecar import (baseline, capture, cli_capture, cli_sidecar, client, config, main, nvml,
+                                        nvml_check, prober, quality)
+from stepwatch.cli import build_parser
+for argv in (["sidecar", "--target", "http://x:1"], ["baseline", "capture", "--target", "http://x:1"]):
+    build_parser(argv).parse_args(argv)
+print("heavy:", sorted(n for n in ("torch", "diffusers", "transformers") if n in sys.modules))
+"""
+
+
+def test_the_sidecar_never_imports_torch() -> None:
+    """Every sidecar module and both sidecar commands load without even trying torch, diffusers or transformers
+    (a stronger check than test_packaging's, which makes them unimportable: a guarded import would pass there)."""
+    p = subprocess.run([sys.executable, "-c", _NO_HEAVY_IMPORTS], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "heavy: []"

@@ -80,14 +80,14 @@ class Generated:
 
 def decode_png(data: bytes) -> list[NDArray[np.uint8]]:
     """PNG (or any multi-frame image PIL reads) -> RGB frames."""
-    from PIL import Image, ImageSequence
+    from PIL import Image, ImageSequence  # lazy: Pillow is the sidecar extra's; the base install imports this
 
     with Image.open(io.BytesIO(data)) as im:
         return [np.asarray(f.convert("RGB"), dtype=np.uint8).copy() for f in ImageSequence.Iterator(im)]
 
 
 def encode_png(frame: NDArray[np.uint8]) -> bytes:
-    from PIL import Image
+    from PIL import Image  # lazy: Pillow is the sidecar extra's; the base install imports this
 
     buf = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(frame)).save(buf, format="PNG")

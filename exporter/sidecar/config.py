@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from stepwatch.alerts.thresholds import Quality
 
 VIDEO_GATE = "video"
@@ -238,8 +240,6 @@ def parse_probe_set(data: Any, where: str = "probe_set") -> ProbeSet:
 
 
 def load_yaml(path: str | Path) -> Any:
-    import yaml
-
     p = Path(path)
     try:
         text = p.read_text()

@@ -84,7 +84,7 @@ class PynvmlProvider:
         self._xid: dict[int, int] = {}
 
     def init(self) -> None:
-        import pynvml
+        import pynvml  # lazy: optional (sidecar extra); without it the sidecar reports stepwatch_nvml_up 0
 
         pynvml.nvmlInit()
         self._nv = pynvml

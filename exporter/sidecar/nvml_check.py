@@ -12,16 +12,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from prometheus_client import CollectorRegistry, generate_latest
+
+from stepwatch.exporter.sidecar.nvml import NvmlCollector, PynvmlProvider, throttle_labels
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stepwatch.exporter.sidecar.nvml_check", description=__doc__)
     parser.add_argument("--strict", action="store_true", help="exit 1 if any field of any GPU is unreadable")
     args = parser.parse_args(argv)
-
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from stepwatch.exporter.sidecar.nvml import NvmlCollector, PynvmlProvider, throttle_labels
-
     provider = PynvmlProvider()
     try:
         provider.init()

@@ -48,7 +48,7 @@ def psnr(image: NDArray[np.generic], baseline: NDArray[np.generic]) -> float:
 
 def ssim(image: NDArray[np.generic], baseline: NDArray[np.generic]) -> float:
     """SSIM (scikit-image, per channel, 8-bit data range); 1.0 when identical."""
-    from skimage.metrics import structural_similarity
+    from skimage.metrics import structural_similarity  # lazy: scikit-image is slow to import and optional
 
     x, y = _pair(image, baseline)
     h, w, _ = x.shape

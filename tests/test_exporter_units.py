@@ -1,0 +1,153 @@
+"""The exporter's parts on their own: the patch registry, the pure request-to-report step, publishing.
+
+No model and no torch pipeline: plain objects, float clock marks and a fresh registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from stepwatch.exporter import instrument, patches, uninstrument
+from stepwatch.exporter.bench import StubPipeline
+from stepwatch.exporter.publish import Publisher
+from stepwatch.exporter.request import RequestMarks, ResolveContext, resolve
+from stepwatch.exporter.shapes import ShapeLabeler
+from stepwatch.metrics import MetricSet
+from tests.promtext import absent, scrape, value
+
+
+class Thing:
+    def method(self) -> str:
+        return "class"
+
+
+def test_registry_restores_class_and_instance_attributes() -> None:
+    t = Thing()
+    t.own = "mine"  # type: ignore[attr-defined]
+    reg = patches.PatchRegistry()
+    assert reg.register("thing.method", t, "method", lambda: "patched")
+    assert reg.register("thing.own", t, "own", "patched")
+    sub = type("Sub", (Thing,), {})
+    assert reg.register(patches.CALL, t, "__class__", sub)
+    assert t.method() == "patched" and type(t) is sub and list(reg) == ["thing.method", "thing.own", patches.CALL]
+    reg.remove_all()
+    assert len(reg) == 0
+    assert type(t) is Thing and "method" not in vars(t) and t.method() == "class"  # the class's again
+    assert vars(t) == {"own": "mine"}
+
+
+def test_registry_is_idempotent_by_name_and_follows_swapped_objects() -> None:
+    a, b = Thing(), Thing()
+    reg = patches.PatchRegistry()
+    built: list[Any] = []
+
+    def wrapper(fn: Any) -> Any:
+        built.append(fn)
+        return lambda: "wrapped " + fn()
+
+    assert reg.wrap("x.method", a, "method", wrapper)
+    assert not reg.wrap("x.method", a, "method", wrapper)  # already there: the wrapper is not even built
+    assert len(built) == 1 and reg.holds("x.method", a) and reg.target("x.method") is a
+    assert reg.wrap("x.method", b, "method", wrapper)  # another object under the name: the old one is let go
+    assert "method" not in vars(a) and b.method() == "wrapped class" and reg.target("x.method") is b
+    assert reg.remove("x.method") and not reg.remove("x.method")
+    assert "method" not in vars(b)
+
+
+def test_registry_removal_errors_are_reported_not_raised() -> None:
+    errors: list[str] = []
+    t = Thing()
+    reg = patches.PatchRegistry(on_error=lambda name, e: errors.append(name))
+    reg.register("thing.method", t, "method", lambda: "patched")
+    del t.method  # someone else removed it first
+    reg.remove_all()
+    assert errors == ["unpatch.thing.method"]
+
+
+def test_hook_names() -> None:
+    assert patches.cache_context("transformer_2") == "transformer_2.cache_context"
+    assert patches.component_of(patches.STEP) == "scheduler"
+    assert patches.component_of(patches.VAE_DECODE) == "vae"
+    assert patches.component_of(patches.ENCODE_PROMPT) is None and patches.component_of(patches.CALL) is None
+
+
+def _marks(**kw: Any) -> RequestMarks:
+    base: dict[str, Any] = dict(start=10.0, start_unix=1000.0, height=256, width=256, frames=None, steps_hint=3,
+                                cfg_hint=False, text_tokens=32, parent_ctx=None, cache=None)
+    return RequestMarks(**{**base, **kw})
+
+
+def _ctx(**kw: Any) -> ResolveContext:
+    return ResolveContext(seconds=lambda a, b: b - a, labeler=ShapeLabeler(["256x256_3s_cfg"]), device="cpu", **kw)
+
+
+def test_resolve_turns_marks_into_a_report() -> None:
+    req = _marks(te_spans=[(10.1, 10.2), (10.2, 10.3)], denoise_start=10.4, step_marks=[10.6, 10.8, 11.0],
+                 max_branches=2, planned_steps=3, vae_spans=[(11.1, 11.5)], end=11.6,
+                 decisions=[(1, "cond", True)], cache=("first_block_cache", lambda b: None),
+                 peaks={"prepare": 5, "text_encode": 50, "denoise": 80, "vae_decode": 60, "postprocess": 7},
+                 capacity=1000, compiles=[(10.05, 0.5)])
+    r = resolve(req, "warmup", _ctx(peak_flops=100.0, step_flops=lambda m, branches: 4.0 * branches))
+    rep = r.report
+    assert str(rep.shape) == "256x256_3s_cfg" and rep.shape_label == "256x256_3s_cfg" and rep.cfg_branches == 2
+    assert rep.seconds == pytest.approx(1.6)
+    assert rep.stages == pytest.approx({"text_encode": 0.2, "denoise": 0.6, "vae_decode": 0.4})
+    assert rep.step_seconds == pytest.approx([0.2, 0.2, 0.2])
+    assert r.step_bounds[0] == pytest.approx((0.4, 0.6)) and r.stage_bounds["vae_decode"] == pytest.approx((1.1, 1.5))
+    assert rep.memory_peak_bytes == {"text_encode": 50, "denoise": 80, "vae_decode": 60, "request": 80}
+    assert rep.step_flops == 8.0 and rep.mfu == pytest.approx(8.0 / 0.2 / 100.0)
+    assert rep.cache == "first_block_cache" and rep.hits == 1 and rep.compiles[0].phase == "warmup"
+    assert rep.outcome == "ok" and rep.failed_stage is None and rep.start_unix == 1000.0
+
+
+def test_resolve_an_oom_counts_the_refused_demand_in_its_stage() -> None:
+    req = _marks(denoise_start=10.1, step_marks=[10.2], stage="denoise", outcome="oom", oom_demand=900,
+                 error="OutOfMemoryError: ...", peaks={"text_encode": 50, "denoise": 80}, end=10.3)
+    rep = resolve(req, "serving", _ctx()).report
+    assert rep.failed_stage == "denoise" and rep.outcome == "oom"
+    assert rep.memory_peak_bytes["denoise"] == 900 and rep.memory_peak_bytes["request"] == 900
+    assert rep.shape_label == "other" and rep.step_flops is None and rep.mfu is None  # not on the allowlist
+
+
+def test_resolve_without_steps_or_size_has_no_shape() -> None:
+    rep = resolve(_marks(height=None, width=None, steps_hint=None, end=10.5), "serving", _ctx()).report
+    assert rep.shape is None and rep.step_seconds == [] and rep.stages == {}
+    assert rep.memory_peak_bytes == {"request": 0}
+
+
+def test_publish_writes_one_report() -> None:
+    reg = CollectorRegistry()
+    pub = Publisher(MetricSet(reg, "exporter"), "cpu")
+    req = _marks(denoise_start=10.1, step_marks=[10.2, 10.3, 10.4], max_branches=2, planned_steps=3,
+                 decisions=[(2, "cond", True), (2, "uncond", False)], cache=("mag_cache", lambda b: None),
+                 peaks={"denoise": 80}, capacity=1000, end=10.5)
+    pub.publish(resolve(req, "serving", _ctx()).report)
+    d = scrape(reg)
+    shape = "256x256_3s_cfg"
+    assert value(d, "stepwatch_pipeline_requests_total", shape=shape, outcome="ok") == 1
+    assert value(d, "stepwatch_pipeline_step_duration_seconds_count", shape=shape) == 3
+    assert value(d, "stepwatch_cache_decisions_total", shape=shape, cache="mag_cache", decision="hit") == 1
+    assert value(d, "stepwatch_cache_hit_position_ratio_count", shape=shape) == 1
+    assert value(d, "stepwatch_memory_peak_bytes", device="cpu", stage="denoise") == 80
+    assert value(d, "stepwatch_memory_peak_bytes", device="cpu", stage="vae_decode") == 0
+    assert value(d, "stepwatch_oom_total", shape=shape, stage="denoise") == 0  # born at 0 with the shape
+    assert absent(d, "stepwatch_ledger_mfu_ratio", shape=shape)  # no ledger: unknown, not 0
+
+
+def test_stub_pipeline_round_trip() -> None:
+    """The hooks on a pipeline with no compute: every step counted, then the pipeline exactly as before."""
+    pipe = StubPipeline()
+    reg = CollectorRegistry()
+    inst = instrument(pipe, registry=reg)
+    assert sorted(inst.patches) == sorted([patches.ENCODE_PROMPT, patches.SET_TIMESTEPS, patches.STEP,
+                                           patches.cache_context("transformer"), patches.VAE_DECODE, patches.CALL])
+    pipe("p", num_inference_steps=5)
+    assert inst.last_report is not None and len(inst.last_report.step_seconds) == 5
+    assert inst.last_report.cfg_branches == 1
+    assert uninstrument(pipe)
+    assert type(pipe) is StubPipeline and "encode_prompt" not in vars(pipe) and "_stepwatch" not in vars(pipe)
+    assert set(vars(pipe.scheduler)) == {"timesteps"} and vars(pipe.vae) == {}
+    assert "cache_context" not in vars(pipe.transformer)
