@@ -41,10 +41,10 @@ from stepwatch import httpclient
 from stepwatch.alerts import stack as cfgs
 from stepwatch.alerts.rulegen import rules_file
 from stepwatch.alerts.thresholds import load as load_thresholds
+from stepwatch.asgi import ThreadedServer
 from stepwatch.exporter.sidecar.capture import capture_baseline
 from stepwatch.exporter.sidecar.config import ProbeSet, default_probe_set
 from stepwatch.promapi import Alertmanager, Prometheus
-from stepwatch.triage.receiver import ThreadedServer
 
 log = logging.getLogger("stepwatch.stack")
 

@@ -110,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # httpx logs every request at INFO: a service polling /metrics would flood its log
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     run = getattr(args, "_run", None)
     if run is None:
         group = getattr(args, "_group", None)
