@@ -16,6 +16,8 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from stepwatch.catalog import METRICS
+
 if TYPE_CHECKING:
     from stepwatch.alerts.thresholds import AlertSpec, Thresholds
 
@@ -187,8 +189,6 @@ def selector_labels(expr: str) -> dict[str, set[str]]:
 
 def known_labels(name: str) -> set[str] | None:
     """Label names a series can carry (None: any, e.g. an info metric's free labels)."""
-    from stepwatch.catalog import METRICS
-
     base = {"job", "instance"}
     if name == "up":
         return base

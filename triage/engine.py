@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from stepwatch.alerts import rulegen
 from stepwatch.alerts.defs import refers_to
-from stepwatch.alerts.thresholds import Thresholds
+from stepwatch.alerts.thresholds import Thresholds, load, parse_duration
 from stepwatch.promapi import PromError, Prometheus
 from stepwatch.runbooks.parse import CAUSES, END, Check, Runbook, RunbookError, follow, load_for_alert, load_for_url
 
@@ -116,8 +117,6 @@ def alert_fresh_s(th: Any, profile: str | None = None) -> float:
     evaluation rewrites it every interval while it fires.  For a profile not in the
     source, the slowest profile's (production's), so a live alert is never dropped.
     """
-    from stepwatch.alerts.thresholds import parse_duration
-
     if profile in th.profiles:
         return 2 * parse_duration(th.profiles[profile].evaluation_interval)
     return 2 * max(parse_duration(p.evaluation_interval) for p in th.profiles.values())
@@ -131,8 +130,6 @@ def firing_at(prom: Prometheus, at: float | None = None, thresholds: Any = None)
     """
     if at is None:
         return [a for a in (Alert.parse(x) for x in prom.firing()) if a.status == "firing"]
-    from stepwatch.alerts import rulegen
-
     th = thresholds or _thresholds()
     out = []
     for s in prom.query('timestamp(ALERTS{alertstate="firing"})', at=at):
@@ -162,9 +159,7 @@ def _selector(labels: Mapping[str, str]) -> str:
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in sorted(labels.items())) + "}"
 
 
-def _thresholds() -> Any:
-    from stepwatch.alerts.thresholds import load
-
+def _thresholds() -> Thresholds:
     return load()
 
 
