@@ -23,7 +23,6 @@ from stepwatch.exporter.sidecar.capture import (
     capture_baseline,
 )
 from stepwatch.exporter.sidecar.config import ConfigError, SidecarConfig, check_target, load_config, load_probe_set
-from stepwatch.exporter.sidecar.main import quiet_http_logs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ThresholdsError) as e:
         print(f"stepwatch baseline capture: {e}", file=sys.stderr)
         return 2
-    quiet_http_logs()
     print(f"capturing {len(probe_set.items)} probes of {probe_set.name!r} from {target} ...", file=sys.stderr)
     try:
         res = capture_baseline(target, probe_set, out, timeout_s=args.timeout, verify=not args.no_verify)

@@ -29,12 +29,6 @@ DEFAULT_PORT = 9465
 DEFAULT_HOST = "127.0.0.1"
 
 
-def quiet_http_logs() -> None:
-    """httpx logs every request at INFO: one line per probe is noise, failures are logged by the prober."""
-    if not logging.getLogger().isEnabledFor(logging.DEBUG):
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def _collector(registry: CollectorRegistry) -> tuple[NvmlCollector, str]:
     """The NVML collector on ``registry`` and what it found at start (so an absent NVML is logged now, once)."""
     collector = NvmlCollector()
@@ -92,7 +86,6 @@ def _supervise(prober: Prober | None, stop: threading.Event, threads: list[threa
 def serve(cfg: SidecarConfig, thresholds: Thresholds, host: str, port: int,
           stop: threading.Event | None = None) -> int:
     """Serve /metrics and probe until SIGTERM/SIGINT (or ``stop``); 1 when the port cannot be bound."""
-    quiet_http_logs()
     registry = CollectorRegistry()
     collector, nvml_state = _collector(registry) if cfg.nvml else (None, "off")
     prober = _prober(cfg, registry, thresholds) if cfg.prober else None
