@@ -1,21 +1,6 @@
-"""Prove on a real GPU that CUDA timing adds no synchronization (``stepwatch gpu-check``).
-
-Run on a machine with one CUDA GPU (under 5 minutes on an H100/H200).  It
-builds a FLUX.1-dev-shaped pipeline (the full 57-block transformer, 11.9 B
-parameters, random bf16 weights; small text encoders with the right output
-widths; the FLUX VAE), instruments it, and:
-
-1. runs every stepwatch hook body under ``torch.cuda.set_sync_debug_mode("error")``:
-   any host-device synchronization inside stepwatch raises there, is caught
-   by the hook guard and counted in ``stepwatch_exporter_errors_total`` - the
-   check demands zero (and first proves the detector fires on a deliberate sync);
-2. compares per-step times from the CUDA events with a separate run timed with
-   explicit ``torch.cuda.synchronize()`` at every step;
-3. prints per-step times and MFU at 1024^2 from the FLOPs ledger.
-
-Exit 0 when all checks pass, 1 when one fails, 2 when there is no GPU.
-``--device cpu --small`` runs the same code path on the CPU (no sync check),
-which is how the script itself is tested without a GPU.
+"""The GPU check's steps: build a FLUX.1-dev-shaped pipeline, prove no hook synchronizes, compare
+event and synchronized step times, and measure MFU.  What it proves and how to run it is
+``stepwatch gpu-check --help`` (exporter/cli_gpu_check.py).
 """
 
 from __future__ import annotations
