@@ -164,6 +164,14 @@ def test_http_errors_and_admin_guard(svc: ServiceProc) -> None:
     assert st == 400 and "rank_delay_seconds" in body["error"]["message"]
 
 
+def test_running_service_serves_its_openapi_schema_and_405_with_allow(svc: ServiceProc) -> None:
+    status, schema, _ = svc.get("/openapi.json")
+    assert status == 200
+    assert "post" in schema["paths"]["/v1/images/generations"]
+    status, _, headers = svc.request("PUT", "/v1/images/generations", {"prompt": "x"})
+    assert status == 405 and headers.get("allow", headers.get("Allow")) == "POST"
+
+
 def test_openai_client(svc: ServiceProc) -> None:
     import openai
 
