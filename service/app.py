@@ -11,16 +11,26 @@ naming the field (``api.validate``), where Pydantic would answer 422 in its
 own.  ``ImagesRequest`` is the typed model of that body for the OpenAPI schema.
 Errors close the connection (the body may be unread); answers keep it alive.
 
-The ``Service`` blocks (on the queue and the worker): its calls run on worker
-threads, never on the event loop.  Generation has its own thread limiter, sized
-past the queue's limit, so a full queue answers 429 at once instead of waiting
-for a thread.
+The ``Service`` blocks (on the queue's lock and the worker): its calls run on
+worker threads, never on the event loop.  A generation holds a thread only to be
+admitted and to be answered; while it waits in the queue or on the worker it is
+an asyncio wait on its ticket, raced against the client's disconnect: a client
+that goes away has its queued request cancelled (it never runs) and taken out of
+the queue.  ``/healthz`` and ``/readyz`` are async and ``/metrics`` has its own
+threads, so they answer however many generations wait.
+
+Clients that stall are cut off, as the old server's 60 s socket timeout did
+(uvicorn alone times out only idle keep-alive connections): a connection that
+sends no request head for ``CLIENT_TIMEOUT`` seconds is closed, and a body that
+has not arrived by then gets a 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import signal
 import socket
@@ -32,19 +42,24 @@ from types import FrameType
 from typing import Any, Literal, TypeVar
 
 import anyio
+import h11
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stepwatch.service import api
-from stepwatch.service.engine import Service
+from stepwatch.service.engine import Admission, Answer, Service
+from stepwatch.service.messages import Reply
 
 log = logging.getLogger("stepwatch.service")
 T = TypeVar("T")
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-LOOPBACK = ("127.0.0.1", "::1")
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")  # the last: an IPv4 client of a dual-stack "::" socket
+CLIENT_TIMEOUT = 60.0  # seconds a client may stall sending a request head or body
 
 
 class ImagesRequest(BaseModel):
@@ -93,8 +108,20 @@ IMAGES_BODY = {"requestBody": {"required": True, "content": {
 router = APIRouter()
 
 
+class AsciiJSON(JSONResponse):
+    """JSON escaped to ASCII, as ``json.dumps`` writes it: a lone surrogate a client sent (a knob's name, say)
+    comes back as ``\\ud800`` in a 400, where Starlette's UTF-8 rendering would fail with a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer (counted as 499, nginx's convention)."""
+
+
 def _error(e: api.ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), e.status, {**e.headers, "Connection": "close"})
+    return AsciiJSON(e.body(), e.status, {**e.headers, "Connection": "close"})
 
 
 def _internal(e: Exception) -> api.ApiError:
@@ -107,11 +134,12 @@ def _service(request: Request) -> Service:
 
 
 async def _in_thread(request: Request, fn: Callable[..., T], *args: Any) -> T:
-    """Run a blocking Service call on a worker thread of the generation limiter."""
+    """Run a blocking Service call on a worker thread of the service's limiter."""
     return await anyio.to_thread.run_sync(partial(fn, *args), limiter=request.app.state.limiter)
 
 
 async def _read_body(request: Request) -> bytes:
+    """The body, checked: 411 without a Content-Length, 413 past the limit (unread), 408 if it stalls."""
     length = request.headers.get("content-length")
     if length is None or not (length.isascii() and length.isdigit()):
         raise api.ApiError(411, "Content-Length is required", None, "length_required")
@@ -119,7 +147,47 @@ async def _read_body(request: Request) -> bytes:
     if n > api.MAX_BODY_BYTES:
         raise api.ApiError(413, f"request body is {n} bytes; the limit is {api.MAX_BODY_BYTES}", None,
                            "body_too_large")
-    return await request.body()
+    timeout: float = request.app.state.client_timeout
+    try:
+        with anyio.fail_after(timeout):
+            return await request.body()
+    except TimeoutError:
+        raise api.ApiError(408, f"the request body did not arrive within {timeout:g}s", None,
+                           "request_timeout") from None
+    except ClientDisconnect:
+        raise ClientGone from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (call it once the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _wait(request: Request, svc: Service, adm: Admission) -> Reply:
+    """The worker's reply to an admitted request, waited for without a thread; a client that disconnects
+    first, or a wait past the limit (504), abandons the request: still queued, it is cancelled and dropped."""
+    waiter = asyncio.wrap_future(adm.ticket.future)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({waiter, gone}, timeout=svc.answer_timeout(adm),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if waiter in done:
+            return waiter.result()  # or the ApiError the dispatcher set (503 worker died, 504)
+        if gone in done:
+            raise ClientGone
+        raise svc.timed_out()
+    finally:
+        gone.cancel()
+        if not waiter.done():
+            svc.abandon(adm)
+            waiter.cancel()
+
+
+async def _generate(request: Request, svc: Service, body: dict[str, Any]) -> Answer:
+    adm = await _in_thread(request, svc.admit, body)  # validation and the queue's lock: a thread, briefly
+    reply = await _wait(request, svc, adm)
+    return await _in_thread(request, svc.finish, adm, reply)  # base64 of the images: a thread
 
 
 @router.post("/v1/images/generations", response_model=ImagesResponse, responses=ERRORS, openapi_extra=IMAGES_BODY)
@@ -131,15 +199,17 @@ async def generations(request: Request) -> Response:
     try:
         body = api.parse_json(await _read_body(request))
         pool = svc.pool_of(body)
-        status, answer, headers = await _in_thread(request, svc.generate, body)
-        response: Response = JSONResponse(answer, status, headers)
+        status, answer, headers = await _generate(request, svc, body)
+        response: Response = AsciiJSON(answer, status, headers)
+    except ClientGone:
+        status, response = 499, Response(status_code=499)  # nobody to answer
     except api.ApiError as e:
         status, response = e.status, _error(e)
     except Exception as e:  # never take the instance down for one request
         log.exception("unexpected error serving a request")
         status, response = 500, _error(_internal(e))
     if await request.is_disconnected():
-        status = 499  # the client went away before the answer (nginx's convention)
+        status = 499  # the client went away before the answer
     svc.count(pool, status, t0)
     return response
 
@@ -151,7 +221,10 @@ async def admin_knobs(request: Request) -> Response:
     try:
         _check_admin(svc, request)
         knobs = api.parse_json(await _read_body(request))
-        return JSONResponse(await _in_thread(request, svc.set_knobs, knobs))
+        # The default threads (with /info), not the generation limiter: a knob change waits on the worker.
+        return AsciiJSON(await anyio.to_thread.run_sync(svc.set_knobs, knobs))
+    except ClientGone:
+        return Response(status_code=499)
     except api.ApiError as e:
         return _error(e)
     except Exception as e:
@@ -178,13 +251,14 @@ async def healthz(request: Request) -> dict[str, Any]:
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
     ready = _service(request).ready
-    return JSONResponse({"ready": ready}, 200 if ready else 503)
+    return AsciiJSON({"ready": ready}, 200 if ready else 503)
 
 
 @router.get("/metrics")
-def metrics(request: Request) -> Response:
-    # A plain def: FastAPI runs it on a thread, since it asks the worker's exporter over HTTP.
-    return Response(_service(request).metrics_text(), media_type=METRICS_TYPE)
+async def metrics(request: Request) -> Response:
+    # On threads of its own (it asks the worker's exporter over HTTP): never behind /info or generations.
+    text = await anyio.to_thread.run_sync(_service(request).metrics_text, limiter=request.app.state.metrics_limiter)
+    return Response(text, media_type=METRICS_TYPE)
 
 
 @router.get("/v1/stepwatch/info")
@@ -206,11 +280,14 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return _error(api.ApiError(exc.status_code, str(exc.detail), None, "http_error"))
 
 
-def create_app(svc: Service) -> FastAPI:
+def create_app(svc: Service, client_timeout: float = CLIENT_TIMEOUT) -> FastAPI:
     """The ASGI app of one Service (docs pages off: they load scripts from a CDN; /openapi.json stays)."""
-    app = FastAPI(title="stepwatch practice service", version="1", docs_url=None, redoc_url=None)
+    app = FastAPI(title="stepwatch practice service", version="1", docs_url=None, redoc_url=None,
+                  default_response_class=AsciiJSON)
     app.state.service = svc
-    app.state.limiter = anyio.CapacityLimiter(svc.cfg.queue.max_queued + 32)
+    app.state.client_timeout = client_timeout
+    app.state.limiter = anyio.CapacityLimiter(64)  # generations' brief calls: admission, answers
+    app.state.metrics_limiter = anyio.CapacityLimiter(4)
     app.include_router(router)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     return app
@@ -226,6 +303,44 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+class _StallTimeout(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with the old server's socket timeout for request heads: a connection that
+    opens, or starts a request, and then sends nothing for ``client_timeout`` seconds is closed.  (uvicorn
+    itself times out only idle keep-alive connections, after an answer; a stalled body is the app's 408.)"""
+
+    client_timeout = CLIENT_TIMEOUT
+    _stall: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._unwatch()
+        super().connection_lost(exc)
+
+    def _watch(self) -> None:
+        """(Re)arm the stall timer while a request head is awaited and uvicorn's keep-alive timer is not."""
+        self._unwatch()
+        if (self.conn.their_state is h11.IDLE and self.timeout_keep_alive_task is None
+                and not self.transport.is_closing()):
+            self._stall = self.loop.call_later(self.client_timeout, self._stalled)
+
+    def _unwatch(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -257,9 +372,16 @@ class _Server(uvicorn.Server):
         threading.Thread(target=self._on_signal, daemon=True, name="stepwatch-stop").start()
 
 
+def make_server(svc: Service, client_timeout: float = CLIENT_TIMEOUT) -> uvicorn.Server:
+    """The uvicorn server of ``svc``'s API; ``run(sockets=[sock])`` serves until SIGTERM/SIGINT (in the main
+    thread) or until ``should_exit`` is set; the caller starts and stops ``svc``."""
+    protocol = type("StallTimeoutH11", (_StallTimeout,), {"client_timeout": client_timeout})
+    config = uvicorn.Config(create_app(svc, client_timeout), http=protocol, lifespan="off", log_config=None,
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=10,
+                            server_header=False, headers=[("server", "stepwatch")])
+    return _Server(config, svc.stop)
+
+
 def serve(svc: Service, sock: socket.socket) -> None:
     """Serve the API on ``sock`` until SIGTERM/SIGINT; the caller starts and stops ``svc``."""
-    config = uvicorn.Config(create_app(svc), http="h11", lifespan="off", log_config=None, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=10, server_header=False,
-                            headers=[("server", "stepwatch")])
-    _Server(config, svc.stop).run(sockets=[sock])
+    make_server(svc).run(sockets=[sock])

@@ -5,8 +5,10 @@ that feeds the worker one request at a time, and the worker process
 (``worker_client.WorkerClient``).  An OOM fails that request with a 507 naming
 the stage, the shape and the fix; a worker that dies fails its in-flight
 request with a 503, is restarted (with backoff while it keeps dying before it
-is ready), and the restart is counted.  Every method here is thread-safe and
-may block (on the worker): the HTTP layer calls them from worker threads.
+is ready), and the restart is counted.  Every method here is thread-safe; those
+that may block (on the worker) the HTTP layer calls from worker threads.  A request
+is ``admit``-ted (queued), its ticket's Future waited for by the caller, and
+``finish``-ed into the answer; a caller that gives up ``abandon``-s it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import socket
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -26,7 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from stepwatch import httpclient
 from stepwatch.metrics import MetricSet
 from stepwatch.service import api, knobs
-from stepwatch.service.config import ServiceConfig, parse_size
+from stepwatch.service.config import PoolConfig, ServiceConfig, parse_size
 from stepwatch.service.fingerprint import fingerprint_id
 from stepwatch.service.messages import ReadyMsg, Reply, ResultMsg
 from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Scheduler, Ticket
@@ -36,6 +39,16 @@ log = logging.getLogger("stepwatch.service")
 
 CODES = ("200", "429", "500", "503", "507")  # created at 0 per pool: a pool's first error is a visible increase
 Answer = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, headers
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request that passed validation and admission: its ticket is queued (or running, or answered)."""
+
+    req: api.GenerationRequest
+    pool: PoolConfig
+    ticket: Ticket
+    t0: float
 
 
 def _server_error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> api.ApiError:
@@ -230,18 +243,30 @@ class Service:
         self.m.service_requests_total.labels(pool=pool, code=str(status)).inc()
         self.m.service_request_duration_seconds.labels(pool=pool).observe(time.monotonic() - t0)
 
-    def generate(self, body: dict[str, Any]) -> Answer:
-        """Validate, queue, wait for the worker and answer; raises ApiError with the status to send."""
+    def admit(self, body: dict[str, Any]) -> Admission:
+        """Validate and queue a request (its ticket's Future gets the worker's reply); raises ApiError."""
         req = api.validate(body, self.cfg)
-        pool_cfg = self.cfg.pool_for(req.size)
+        pool = self.cfg.pool_for(req.size)
         t0 = time.monotonic()
-        ticket = self._admit(req, pool_cfg.name)
-        try:
-            reply = ticket.future.result(timeout=pool_cfg.max_wait_seconds + self.cfg.request_timeout_seconds + 60)
-        except FutureTimeout:
-            ticket.future.cancel()  # still queued: it will not run for nobody
-            raise _server_error(504, "generation did not finish in time", "timeout") from None
-        return self._answer(req, pool_cfg.name, ticket, reply, t0)
+        return Admission(req, pool, self._admit(req, pool.name), t0)
+
+    def answer_timeout(self, adm: Admission) -> float:
+        """How long a client waits for its reply before a 504: the pool's queue limit, the run, a margin."""
+        return adm.pool.max_wait_seconds + self.cfg.request_timeout_seconds + 60
+
+    @staticmethod
+    def timed_out() -> api.ApiError:
+        return _server_error(504, "generation did not finish in time", "timeout")
+
+    def abandon(self, adm: Admission) -> None:
+        """Its client gave up: a request still queued is cancelled (it never runs) and leaves the queue."""
+        if adm.ticket.future.cancel():
+            self.scheduler.remove(adm.ticket)
+            self._update_gauges()
+
+    def finish(self, adm: Admission, reply: Reply) -> Answer:
+        """The answer to an admitted request from the worker's reply; raises ApiError (507, 500)."""
+        return self._answer(adm.req, adm.pool.name, adm.ticket, reply, adm.t0)
 
     def _admit(self, req: api.GenerationRequest, pool: str) -> Ticket:
         if self.fatal is not None:

@@ -161,6 +161,17 @@ class Scheduler:
                 self._inflight = None
             self._cv.notify_all()
 
+    def remove(self, t: Ticket) -> bool:
+        """Take a still-queued ticket out of its queue (its client gave up); False if it is not queued."""
+        with self._cv:
+            q = self._queues.get(t.pool, [])
+            for i, queued in enumerate(q):
+                if queued is t:
+                    del q[i]
+                    self._cv.notify_all()
+                    return True
+            return False
+
     def drain(self) -> list[Ticket]:
         """Remove and return everything queued (shutdown)."""
         with self._cv:

@@ -4,9 +4,13 @@ messages as the API pins them, the OpenAPI schema, and `stepwatch serve`'s confi
 from __future__ import annotations
 
 import argparse
+import json
+import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +19,8 @@ import yaml
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from stepwatch.service import api, cli_serve, knobs
+from stepwatch import httpclient
+from stepwatch.service import api, app, cli_serve, knobs
 from stepwatch.service.app import create_app
 from stepwatch.service.config import parse
 from stepwatch.service.engine import Service
@@ -155,6 +160,21 @@ def test_admin_knobs_guard_and_validation(client: TestClient) -> None:
         assert remote.post("/admin/knobs", json={"vae_tiling": True}, headers=auth).status_code == 403
 
 
+@pytest.mark.parametrize("path,raw,param", [
+    ("/admin/knobs", b'{"\\ud800": 1}', "\ud800"),  # the unknown knob is named in param
+    ("/admin/knobs", b'{"baselines": {"\\ud800": {}}}', "baselines"),
+    ("/v1/images/generations", b'{"prompt": "\\ud800"}', "prompt"),
+    ("/v1/images/generations", b'{"prompt": "a", "size": "\\ud800x512"}', "size"),
+    ("/v1/images/generations", b'{"prompt": "a", "size": "\\u00b2x512"}', "size"),
+])
+def test_lone_surrogates_and_odd_digits_get_400_not_500(client: TestClient, path: str, raw: bytes,
+                                                        param: str) -> None:
+    r = client.post(path, content=raw, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert r.content.isascii()
+
+
 def test_knob_validation_is_shared() -> None:
     with pytest.raises(knobs.KnobError) as e:
         knobs.validate({"rank_delay_seconds": {"1": 0.5}}, ranks=1)
@@ -182,3 +202,109 @@ def test_serve_honours_the_config_files_port(tmp_path: Path) -> None:
     assert cli_serve.config_from_args(serve_args("--config", str(conf), "--port", "8000")).port == 8000
     conf.write_text(yaml.safe_dump({"warmup": []}))
     assert cli_serve.config_from_args(serve_args("--config", str(conf))).port == 8000
+
+
+# ----- over a real uvicorn (in a thread): connections, disconnects, timeouts ------------------------------------
+@contextmanager
+def live(svc: Service, client_timeout: float = 60.0) -> Iterator[int]:
+    """``svc``'s API served by uvicorn in a thread, as ``stepwatch serve`` serves it; yields the port."""
+    sock = app.bind("127.0.0.1", 0)
+    server = app.make_server(svc, client_timeout)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        sock.close()
+        svc._stop.set()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def raw_post(port: int, body: bytes, length: int | None = None) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length) + body)
+    return s
+
+
+def read_to_eof(s: socket.socket, timeout: float = 5.0) -> bytes:
+    """Everything the server sends until it closes the connection (fails if it does not within ``timeout``)."""
+    s.settimeout(timeout)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return data
+
+
+def depth(svc: Service) -> float:
+    return svc.scheduler.snapshot()["small"]["depth"]
+
+
+def patient(**cfg: Any) -> Service:
+    """A service whose small pool never 429s in these tests; no dispatcher: what is admitted stays queued."""
+    return service(pools={"small": {"sizes": ["256x256"], "slo_seconds": 10, "max_wait_seconds": 10000}},
+                   queue={"max_queued": 500}, **cfg)
+
+
+GEN = json.dumps({"prompt": "a", "size": "256x256"}).encode()
+
+
+def test_a_client_that_disconnects_while_queued_is_cancelled_and_never_runs() -> None:
+    svc = patient()
+    with live(svc) as port:
+        s = raw_post(port, GEN)
+        wait_for(lambda: depth(svc) == 1)
+        s.close()
+        wait_for(lambda: depth(svc) == 0)  # out of the queue at once: it no longer counts toward 429s
+        svc._dispatcher.start()
+        time.sleep(0.3)
+    assert not [m for m in svc.worker.seen if m["op"] == "generate"]  # type: ignore[attr-defined]
+    assert svc.m.service_requests_total.labels(pool="small", code="499")._value.get() == 1
+
+
+def test_health_and_metrics_answer_while_many_generations_wait() -> None:
+    svc = patient()
+    with live(svc) as port:
+        waiting = [raw_post(port, GEN) for _ in range(60)]  # past anyio's 40 default threads
+        wait_for(lambda: depth(svc) == 60)
+        url = f"http://127.0.0.1:{port}"
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert httpclient.request("GET", url + path, timeout=3).status_code == 200, path
+        r = httpclient.request("POST", url + "/v1/images/generations", content=b'{"prompt": 1}', timeout=3)
+        assert r.status_code == 400  # admission is not stuck behind the waiting ones either
+        for s in waiting:
+            s.close()
+        wait_for(lambda: depth(svc) == 0)
+
+
+def test_a_client_that_stalls_is_cut_off() -> None:
+    svc = patient()
+    with live(svc, client_timeout=0.5) as port:
+        silent = socket.create_connection(("127.0.0.1", port))
+        half_head = socket.create_connection(("127.0.0.1", port))
+        half_head.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n")
+        half_body = raw_post(port, b'{"prompt"', length=40)
+        t0 = time.monotonic()
+        assert read_to_eof(silent) == b"" and read_to_eof(half_head) == b""
+        answer = read_to_eof(half_body)
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer.lower()
+        assert b"did not arrive within 0.5s" in answer
+        assert time.monotonic() - t0 < 4
+        assert depth(svc) == 0
+
+
+def test_an_error_answers_and_closes_without_reading_the_body() -> None:
+    with live(patient()) as port:
+        s = raw_post(port, b"", length=api.MAX_BODY_BYTES + 1)  # 413 before any body is sent
+        answer = read_to_eof(s)
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"connection: close" in answer.lower()
+        assert b"content-type: application/json" in answer.lower()

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from stepwatch.service import api
 from stepwatch.service.config import parse
-from stepwatch.service.engine import Service
+from stepwatch.service.engine import Admission, Service
 
 CFG = parse({"pools": {"small": {"sizes": ["256x256"], "slo_seconds": 10}}, "warmup": []})
 
@@ -66,4 +66,16 @@ def test_a_worker_that_cannot_restart_fails_the_queued_requests() -> None:
         with pytest.raises(api.ApiError) as e:
             t.future.result(timeout=0)
         assert e.value.status == 503 and e.value.code == "worker_failed"
+    assert svc.scheduler.snapshot()["small"]["depth"] == 0
+
+
+def test_an_abandoned_admission_leaves_the_queue_and_a_running_one_is_left_alone() -> None:
+    svc = Service(CFG, CollectorRegistry())
+    pool = CFG.pool_for("256x256")
+    running = Admission(req(1), pool, svc.scheduler.submit(req(1), "small"), time.monotonic())
+    queued = Admission(req(2), pool, svc.scheduler.submit(req(2), "small"), time.monotonic())
+    assert svc.scheduler.take(timeout=0) is running.ticket and running.ticket.future.set_running_or_notify_cancel()
+    svc.abandon(queued)  # its client disconnected while it queued
+    svc.abandon(running)  # too late: it runs, and its answer goes nowhere
+    assert queued.ticket.future.cancelled() and not running.ticket.future.cancelled()
     assert svc.scheduler.snapshot()["small"]["depth"] == 0

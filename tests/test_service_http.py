@@ -357,3 +357,28 @@ def test_two_ranks_report_and_a_delayed_rank_shows_as_skew(tmp_path: Path) -> No
             m, "stepwatch_rank_busy_seconds_total", rank="0") > 0.15
     finally:
         s.close()
+
+
+def test_sigterm_fails_what_is_waiting_stops_the_worker_and_exits_0(tmp_path: Path) -> None:
+    s = ServiceProc(tmp_path, {"compile": {"enabled": False}, "warmup": [],
+                               "pools": {"small": {"sizes": ["256x256"], "slo_seconds": 10, "max_wait_seconds": 600},
+                                         "large": {"sizes": ["2048x2048"], "slo_seconds": 60,
+                                                   "max_wait_seconds": 600}}})
+    try:
+        pid = s.get("/v1/stepwatch/info")[1]["worker"]["pid"]
+        results: list[tuple[int, Any, dict[str, str]]] = []
+        threads = [threading.Thread(target=lambda size=size: results.append(s.generate(size=size, steps=6)))
+                   for size in ("2048x2048", "256x256", "256x256")]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)  # the first runs, the others queue behind it
+        time.sleep(1.0)
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=30) == 0
+        for t in threads:
+            t.join(timeout=10)
+        assert len(results) == 3 and {st for st, _, _ in results} == {503}, results
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        s.close()
