@@ -26,24 +26,62 @@ def _state(hook: Any, branch: str) -> Any:
     return cache.get(branch) or (cache.get("inference") if len(cache) == 1 else None)
 
 
-def _should_compute_reader(hook: Any) -> Decision:
-    def decision(branch: str) -> bool | None:
-        st = _state(hook, branch)
-        if st is None:
-            return None
-        return not bool(st.should_compute)
+class Reader:
+    """A cache's decision reader.  Called with a branch name it reads the decision now (``Decision``);
+    ``take()`` copies every branch's raw state in one cheap pass (the per-step hot path), and
+    ``decide(raw)`` turns one branch's copy into the decision later, off the hot path."""
 
-    return decision
+    __slots__ = ("_hook", "_states")
+
+    def __init__(self, hook: Any) -> None:
+        self._hook = hook
+        self._states: dict[str, Any] | None = None  # the state manager's dict: diffusers keeps the same one
+
+    def take(self) -> dict[str, Any]:
+        states = self._states
+        if states is None:
+            states = getattr(getattr(self._hook, "state_manager", None), "_state_cache", None)
+            if not isinstance(states, dict):
+                return {}
+            self._states = states
+        raw = self._raw
+        return {name: raw(st) for name, st in states.items()}
+
+    @staticmethod
+    def _raw(st: Any) -> Any:
+        return st.should_compute
+
+    @staticmethod
+    def decide(raw: Any) -> bool | None:
+        return not bool(raw)
+
+    def __call__(self, branch: str) -> bool | None:
+        st = _state(self._hook, branch)
+        return None if st is None else self.decide(self._raw(st))
 
 
-def _taylor_reader(hook: Any) -> Decision:
-    def decision(branch: str) -> bool | None:
-        st = _state(hook, branch)
-        if st is None or st.current_step < 0:
-            return None
-        return st.last_update_step != st.current_step
+class TaylorReader(Reader):
+    """TaylorSeer: a hit is a step that reused the last full computation."""
 
-    return decision
+    __slots__ = ()
+
+    @staticmethod
+    def _raw(st: Any) -> Any:
+        return st.current_step, st.last_update_step
+
+    @staticmethod
+    def decide(raw: Any) -> bool | None:
+        current, last_update = raw
+        return None if current < 0 else last_update != current
+
+
+def branch_raw(snapshot: dict[str, Any], branch: str) -> Any:
+    """A branch's entry in a ``take()`` snapshot, with ``_state``'s single-"inference"-state fallback;
+    None when the cache kept no state for it."""
+    raw = snapshot.get(branch)
+    if raw is None and len(snapshot) == 1:
+        raw = snapshot.get("inference")
+    return raw
 
 
 _BLOCK_LISTS = ("transformer_blocks", "blocks", "single_transformer_blocks", "layers")
@@ -98,9 +136,9 @@ def find_cache(transformer: Any) -> tuple[str, Decision] | None:
         if not hooks:
             continue
         if _FBC in hooks:
-            return "first_block_cache", _should_compute_reader(hooks[_FBC])
+            return "first_block_cache", Reader(hooks[_FBC])
         if _MAG in hooks:
-            return "mag_cache", _should_compute_reader(hooks[_MAG])
+            return "mag_cache", Reader(hooks[_MAG])
         if _TAYLOR in hooks:
-            return "taylorseer", _taylor_reader(hooks[_TAYLOR])
+            return "taylorseer", TaylorReader(hooks[_TAYLOR])
     return None

@@ -24,7 +24,7 @@ from stepwatch.exposition import parse_exposition
 from stepwatch.service.pipeline import _tokenizer, build_pipeline
 
 # Every hook body the wrappers call through the handle (see exporter/hooks.py), plus the request's end.
-HOOK_METHODS = ("_begin", "_end", "_stage_enter", "_stage_exit", "_denoise_start", "_on_branch_end", "_emit",
+HOOK_METHODS = ("_begin", "_end", "_stage_enter", "_stage_exit", "_denoise_start", "_emit",
                 "_drain_pending")
 
 

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from stepwatch.exporter import patches
-from stepwatch.exporter.request import RequestMarks
 
 if TYPE_CHECKING:  # typing only: instrument imports this module
     from stepwatch.exporter.instrument import Instrumentation
@@ -63,18 +62,21 @@ def set_timesteps(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[...
 
 
 def step(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """After scheduler.step: one mark per step and the step's branch count, nothing else."""
+    """After scheduler.step: the step's mark and, with a cache active, the cache's state; nothing else.
+    Branch counts and decisions are derived from the log at request end (``request.replay``)."""
     local = inst._local
+    clock = inst.clock  # its ``mark`` is looked up per call: gpu-check replaces it on the instance
 
     def step(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
         req = getattr(local, "req", None)
         if req is not None:
             try:
-                req.step_marks.append(inst.clock.mark())
-                if req.calls > req.max_branches:
-                    req.max_branches = req.calls
-                req.calls = 0
+                add = req.add
+                add(clock.mark())
+                take = req.take
+                if take is not None:
+                    add(take())
             except Exception as e:
                 inst._guard.fail(patches.STEP, e)
         return out
@@ -84,45 +86,22 @@ def step(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def cache_context(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Around transformer.cache_context (one per CFG branch): counts the branch; with a cache active,
-    wraps the context so the cache's decision is read once the branch's transformer call is done."""
+    """Around transformer.cache_context (one per CFG branch): logs the branch name; the pipeline gets the
+    original context unchanged.  The branch's cache decision is read with the step's snapshot."""
     local = inst._local
 
     def cache_context(name: str, *args: Any, **kwargs: Any) -> Any:
         inner = fn(name, *args, **kwargs)
         req = getattr(local, "req", None)
-        if req is None:
-            return inner
-        req.calls += 1
-        if req.cache is None:
-            return inner
-        return BranchContext(inst, req, inner, name)
+        if req is not None:
+            try:
+                req.add(str(name))
+            except Exception as e:
+                inst._guard.fail("transformer.cache_context", e)
+        return inner
 
     cache_context.__wrapped__ = fn  # type: ignore[attr-defined]
     return cache_context
-
-
-class BranchContext:
-    """A cache_context whose exit reads the branch's cache decision."""
-
-    __slots__ = ("_inner", "_inst", "_name", "_req")
-
-    def __init__(self, inst: Instrumentation, req: RequestMarks, inner: Any, name: str) -> None:
-        self._inst = inst
-        self._req = req
-        self._inner = inner
-        self._name = name
-
-    def __enter__(self) -> Any:
-        return self._inner.__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        result = self._inner.__exit__(*exc)
-        try:
-            self._inst._on_branch_end(self._req, self._name)
-        except Exception as e:
-            self._inst._guard.fail("transformer.cache_context", e)
-        return result
 
 
 _CLASS_CACHE: dict[type, type] = {}

@@ -259,13 +259,6 @@ class Instrumentation:
         if ts is not None:
             req.planned_steps = len(ts)
 
-    def _on_branch_end(self, req: RequestMarks, branch: str) -> None:
-        """After a branch's transformer call under an active cache: the cache's own decision."""
-        assert req.cache is not None
-        hit = req.cache[1](branch)
-        if hit is not None:
-            req.decisions.append((len(req.step_marks), branch, hit))
-
     def _close_stage_memory(self, req: RequestMarks) -> None:
         """Attribute the peak since the last boundary to the stage that just ran."""
         peak = self.memory.peak_bytes()
@@ -301,6 +294,7 @@ class Instrumentation:
         self._local.req = None
         WATCH.set_sink(getattr(self._local, "prev_sink", None))
         req.end = self.clock.mark()
+        req.tail_snapshot()
         self._close_stage_memory(req)
         if exc is not None:
             self._record_failure(req, exc)

@@ -7,6 +7,9 @@ first event is an increase that ``rate()`` and ``increase()`` see.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from stepwatch.exporter.report import RequestReport
@@ -14,6 +17,24 @@ from stepwatch.exporter.request import PEAK_STAGES, STAGES
 from stepwatch.metrics import MetricSet
 
 OTHER_STAGES = ("prepare", "postprocess")
+
+
+def observe_all(hist: Any, amounts: Sequence[float]) -> None:
+    """``hist.observe(a)`` for every amount, with one increment per touched bucket and one of the sum:
+    a request's steps land in a few buckets, and prometheus_client's observe() takes a lock per call.
+    Falls back to observe() when the histogram does not have prometheus_client's layout."""
+    bounds = getattr(hist, "_upper_bounds", None)
+    buckets = getattr(hist, "_buckets", None)
+    total = getattr(hist, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets) or len(amounts) < 2:
+        for a in amounts:
+            hist.observe(a)
+        return
+    hist._raise_if_not_observable()
+    # observe() puts an amount in the first bucket whose bound is >= it: bisect_left on the sorted bounds.
+    for i, n in Counter(bisect_left(bounds, a) for a in amounts).items():
+        buckets[i].inc(n)
+    total.inc(sum(amounts))
 
 
 class ShapeChildren:
@@ -92,8 +113,7 @@ class Publisher:
         for stage, sec in r.stages.items():
             c.stages[stage].observe(sec)
         if r.step_seconds:
-            for s in r.step_seconds:
-                c.step.observe(s)
+            observe_all(c.step, r.step_seconds)
             c.branches.set(r.cfg_branches)
 
     def _cache(self, r: RequestReport, cache: str, c: ShapeChildren) -> None:
@@ -104,9 +124,7 @@ class Publisher:
         if misses:
             m.cache_decisions_total.labels(shape=r.shape_label, cache=cache, decision="miss").inc(misses)
         steps = r.shape.steps if r.shape else max(1, len(r.step_seconds))
-        for step, _branch, hit in r.cache_decisions:
-            if hit:
-                c.position.observe(step / steps)
+        observe_all(c.position, [step / steps for step, _branch, hit in r.cache_decisions if hit])
 
     def _memory(self, r: RequestReport) -> None:
         peaks = self._peaks

@@ -26,7 +26,14 @@ Bounds = tuple[float, float]  # seconds from the request start
 
 @dataclass
 class RequestMarks:
-    """What the hooks record for one request in flight (marks are the clock's: floats or CUDA events)."""
+    """What the hooks record for one request in flight (marks are the clock's: floats or CUDA events).
+
+    The per-step hooks write one flat, preallocated log through the bound ``add``: a branch name (str) per
+    transformer call, the clock mark per scheduler.step and, with a cache active, the cache's raw state
+    right after the mark (a dict).  ``replay`` turns it into step marks, branch counts and decisions at
+    request end, so a step costs two appends and a state copy.  ``step_marks``/``decisions``/``max_branches``
+    hold marks recorded directly (tests, other recorders) and are merged with the log.
+    """
 
     start: Any
     start_unix: float
@@ -45,8 +52,8 @@ class RequestMarks:
     denoise_start: Any = None
     planned_steps: int | None = None
     step_marks: list[Any] = field(default_factory=list)
-    calls: int = 0  # transformer branches (CFG) in the current step
     max_branches: int = 0
+    log: list[Any] = field(default_factory=list)
     decisions: list[tuple[int, str, bool]] = field(default_factory=list)
     vae_spans: list[tuple[Any, Any]] = field(default_factory=list)
     vae_open: Any = None
@@ -57,6 +64,59 @@ class RequestMarks:
     outcome: str = "ok"
     error: str | None = None
     oom_demand: int | None = None
+    add: Callable[[Any], None] = field(init=False, repr=False)
+    take: Callable[[], dict[str, Any]] | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.add = self.log.append  # bound once: the hooks' one call per event
+        self.take = getattr(self.cache[1], "take", None) if self.cache is not None else None
+
+    def tail_snapshot(self) -> None:
+        """Branches that ran after the last step (a failed step, a pipeline without a final step call) had
+        no snapshot taken: take it now, once the request is over."""
+        if self.take is not None and self.log and type(self.log[-1]) is str:
+            self.add(self.take())
+
+
+@dataclass
+class Replayed:
+    """The log replayed: all step marks, the most CFG branches in one step, every cache decision."""
+
+    step_marks: list[Any]
+    max_branches: int
+    decisions: list[tuple[int, str, bool]]
+
+
+def replay(req: RequestMarks) -> Replayed:
+    """Walk the hot path's log once: names count branches per step, a mark closes a step, a snapshot
+    decides the branches of the step it follows (the step index is the number of steps before them)."""
+    marks = list(req.step_marks)
+    branches = req.max_branches
+    decisions = list(req.decisions)
+    decide = getattr(req.cache[1], "decide", None) if req.cache is not None else None
+    group: list[str] = []
+    last: list[str] = []
+    for x in req.log:
+        kind = type(x)
+        if kind is str:
+            group.append(x)
+        elif kind is dict:
+            if decide is None:
+                continue
+            names, step = (group, len(marks)) if group else (last, len(marks) - 1)
+            for name in names:
+                raw = x.get(name)
+                if raw is None:
+                    raw = caches.branch_raw(x, name)
+                hit = None if raw is None else decide(raw)
+                if hit is not None:
+                    decisions.append((step, name, hit))
+        else:
+            marks.append(x)
+            if len(group) > branches:
+                branches = len(group)
+            last, group = group, []
+    return Replayed(marks, branches, decisions)
 
 
 @dataclass
@@ -85,7 +145,8 @@ def _spans(req: RequestMarks, ctx: ResolveContext, spans: list[tuple[Any, Any]])
     return sum(s(a, b) for a, b in spans), (s(req.start, spans[0][0]), s(req.start, spans[-1][1]))
 
 
-def _timings(req: RequestMarks, ctx: ResolveContext) -> tuple[dict[str, float], dict[str, Bounds], list[Bounds]]:
+def _timings(req: RequestMarks, ctx: ResolveContext,
+             step_marks: list[Any]) -> tuple[dict[str, float], dict[str, Bounds], list[Bounds]]:
     """Stage seconds, stage bounds and step bounds.  A step runs from the previous step's end (the first
     from the end of set_timesteps) to its scheduler.step return, so it covers all CFG branches."""
     stages: dict[str, float] = {}
@@ -93,9 +154,9 @@ def _timings(req: RequestMarks, ctx: ResolveContext) -> tuple[dict[str, float], 
     if req.te_spans:
         stages["text_encode"], bounds["text_encode"] = _spans(req, ctx, req.te_spans)
     steps: list[Bounds] = []
-    if req.denoise_start is not None and req.step_marks:
+    if req.denoise_start is not None and step_marks:
         prev = ctx.seconds(req.start, req.denoise_start)
-        for m in req.step_marks:
+        for m in step_marks:
             t = ctx.seconds(req.start, m)
             steps.append((prev, t))
             prev = t
@@ -123,9 +184,10 @@ def _peaks(req: RequestMarks) -> tuple[dict[str, int], str | None]:
 
 def resolve(req: RequestMarks, phase: str, ctx: ResolveContext) -> Resolved:
     """The report of one finished request whose marks are all ready."""
-    stages, stage_bounds, step_bounds = _timings(req, ctx)
+    log = replay(req)
+    stages, stage_bounds, step_bounds = _timings(req, ctx, log.step_marks)
     step_seconds = [b - a for a, b in step_bounds]
-    branches = req.max_branches
+    branches = log.max_branches
     cfg = branches > 1 if branches else req.cfg_hint
     steps = req.planned_steps or req.steps_hint or len(step_seconds)
     shape = (ShapeKey(req.height, req.width, int(steps), cfg, req.frames)
@@ -144,7 +206,7 @@ def resolve(req: RequestMarks, phase: str, ctx: ResolveContext) -> Resolved:
         step_seconds=step_seconds,
         cfg_branches=branches,
         cache=req.cache[0] if req.cache else None,
-        cache_decisions=req.decisions,
+        cache_decisions=log.decisions,
         compiles=[CompileEvent(s, d, phase) for s, d in req.compiles],
         memory_peak_bytes=peaks,
         memory_capacity_bytes=req.capacity,
