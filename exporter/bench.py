@@ -49,11 +49,47 @@ class _StubScheduler:
         return x
 
 
-class _StubTransformer:
-    """Enough of a diffusers transformer for the hooks: cache_context and a block list."""
+class _CacheState:
+    """One branch's state as diffusers' FirstBlockCache keeps it (``should_compute``)."""
+
+    __slots__ = ("should_compute",)
 
     def __init__(self) -> None:
+        self.should_compute = True
+
+
+class _StubBlock:
+    """A first transformer block carrying a FirstBlockCache leader hook, as diffusers registers it."""
+
+    def __init__(self, branches: tuple[str, ...]) -> None:
+        self.states = {b: _CacheState() for b in branches}
+        manager = type("StateManager", (), {"_state_cache": self.states})()
+        hook = type("FBCHook", (), {"state_manager": manager})()
+        self._diffusers_hook = type("HookRegistry", (), {"hooks": {"fbc_leader_block_hook": hook}})()
+
+    def modules(self) -> Any:
+        return iter((self,))
+
+
+class _StubTransformer:
+    """Enough of a diffusers transformer for the hooks: cache_context, a block list and, with ``cache``, a
+    FirstBlockCache whose decision alternates in the middle steps (first and last computed, as real caches do)."""
+
+    def __init__(self, branches: tuple[str, ...] = ("cond",), cache: bool = False) -> None:
         self._modules: dict[str, Any] = {}
+        self._block = _StubBlock(branches) if cache else None
+        if self._block is not None:
+            self._modules["transformer_blocks"] = [self._block]
+        self._branch = "cond"
+        self.step_index = 0
+        self.steps = 0
+
+    @property
+    def transformer_blocks(self) -> list[Any]:
+        return self._modules.get("transformer_blocks", [])
+
+    def modules(self) -> Any:
+        return iter((self, *self.transformer_blocks))
 
     def named_children(self) -> Any:
         return iter(())
@@ -62,9 +98,13 @@ class _StubTransformer:
         return iter(())
 
     def cache_context(self, name: str) -> Any:
+        self._branch = name
         return contextlib.nullcontext()
 
     def __call__(self, x: Any) -> Any:
+        if self._block is not None:
+            i = self.step_index
+            self._block.states[self._branch].should_compute = i in (0, self.steps - 1) or i % 2 == 0
         return x
 
 
@@ -74,16 +114,20 @@ class _StubVae:
 
 
 class StubPipeline:
-    """The call structure of a diffusers pipeline with no compute: isolates the hooks' own cost."""
+    """The call structure of a diffusers pipeline with no compute: isolates the hooks' own cost.
+
+    ``branches`` transformer calls per step (2: CFG's cond and uncond), each under its own cache_context;
+    ``cache`` puts a FirstBlockCache leader hook on the first block, so the exporter reads its decisions."""
 
     default_sample_size = 128
     vae_scale_factor = 8
 
-    def __init__(self) -> None:
+    def __init__(self, branches: int = 1, cache: bool = False) -> None:
         self.scheduler = _StubScheduler()
-        self.transformer = _StubTransformer()
+        self.transformer = _StubTransformer(("cond", "uncond")[:branches], cache)
         self.vae = _StubVae()
         self.device = "cpu"
+        self._branches = ("cond", "uncond")[:branches]
 
     def encode_prompt(self, prompt: str) -> str:
         return prompt
@@ -91,28 +135,62 @@ class StubPipeline:
     def __call__(self, prompt: str, height: int = 256, width: int = 256, num_inference_steps: int = 4) -> Any:
         x = self.encode_prompt(prompt)
         self.scheduler.set_timesteps(num_inference_steps)
-        for _t in self.scheduler.timesteps:
-            with self.transformer.cache_context("cond"):
-                x = self.transformer(x)
+        t = self.transformer
+        t.steps = num_inference_steps
+        for i in self.scheduler.timesteps:
+            t.step_index = i
+            for b in self._branches:
+                with t.cache_context(b):
+                    x = t(x)
             x = self.scheduler.step(x)
         return self.vae.decode(x)
 
 
-def hooks_cost(steps: int = 4, calls: int = 20000) -> dict[str, float]:
-    """Per-request and per-step host cost of the hooks, bare vs instrumented stub, interleaved."""
-    bare, inst = StubPipeline(), StubPipeline()
-    instrument(inst, registry=CollectorRegistry())
+# name -> (steps, CFG branches, FirstBlockCache): plain FLUX-dev serving, FBC with true CFG, a distilled model.
+STUB_CASES = {"plain": (28, 1, False), "fbc_cfg2": (28, 2, True), "few_step": (4, 1, False)}
+
+
+def _overhead_us(bare: Any, inst: Any, steps: int, calls: int) -> float:
+    """Median instrumented minus median bare request time (us), interleaved in batches so drift cancels."""
     per: dict[str, list[float]] = {"bare": [], "inst": []}
-    batch = 500
-    for r in range(calls // batch):
+    batch = 100
+    for r in range(max(2, calls // batch)):
         order = (("bare", bare), ("inst", inst)) if r % 2 == 0 else (("inst", inst), ("bare", bare))
         for name, pipe in order:
             t0 = time.perf_counter()
             for _ in range(batch):
                 pipe("p", num_inference_steps=steps)
             per[name].append((time.perf_counter() - t0) / batch)
-    request_us = (statistics.median(per["inst"]) - statistics.median(per["bare"])) * 1e6
+    return (statistics.median(per["inst"]) - statistics.median(per["bare"])) * 1e6
+
+
+def hooks_cost(steps: int = 4, calls: int = 20000, branches: int = 1, cache: bool = False) -> dict[str, float]:
+    """Per-request host cost of the hooks at ``steps`` (bare vs instrumented stub), and that over steps."""
+    bare, inst = StubPipeline(branches, cache), StubPipeline(branches, cache)
+    instrument(inst, registry=CollectorRegistry())
+    for p in (bare, inst):
+        p("p", num_inference_steps=steps)
+    request_us = _overhead_us(bare, inst, steps, calls)
     return {"request_us": round(request_us, 2), "per_step_us": round(request_us / steps, 2)}
+
+
+def stub_case(name: str, calls: int = 6000) -> dict[str, Any]:
+    """One STUB_CASES row: the hooks' cost per step (the slope between a short and a long request of the
+    case's configuration, so per-request work does not count), the fixed cost per request, and the whole
+    overhead of a request of the case's own length spread over its steps."""
+    steps, branches, cache = STUB_CASES[name]
+    bare, inst = StubPipeline(branches, cache), StubPipeline(branches, cache)
+    instrument(inst, registry=CollectorRegistry())
+    lo, hi = 4, 36
+    for p in (bare, inst):
+        p("p", num_inference_steps=hi)
+    d_lo, d_hi = _overhead_us(bare, inst, lo, calls), _overhead_us(bare, inst, hi, calls // 4)
+    per_step = (d_hi - d_lo) / (hi - lo)
+    fixed = d_lo - lo * per_step
+    own = _overhead_us(bare, inst, steps, calls if steps <= lo else calls // 4)
+    return {"steps": steps, "branches": branches, "cache": "first_block_cache" if cache else "none",
+            "per_step_us": round(per_step, 2), "request_fixed_us": round(fixed, 1),
+            "request_us": round(own, 1), "request_us_per_step": round(own / steps, 2)}
 
 
 def _ci(diffs: list[float], steps: int) -> tuple[float, float]:
