@@ -37,15 +37,18 @@ class Reader:
         self._hook = hook
         self._states: dict[str, Any] | None = None  # the state manager's dict: diffusers keeps the same one
 
-    def take(self) -> dict[str, Any]:
+    def states(self) -> dict[str, Any]:
         states = self._states
         if states is None:
             states = getattr(getattr(self._hook, "state_manager", None), "_state_cache", None)
             if not isinstance(states, dict):
                 return {}
             self._states = states
-        raw = self._raw
-        return {name: raw(st) for name, st in states.items()}
+        return states
+
+    def take(self) -> dict[str, Any]:
+        # The attribute read inline (not through _raw): this runs once per step.
+        return {name: st.should_compute for name, st in self.states().items()}
 
     @staticmethod
     def _raw(st: Any) -> Any:
@@ -64,6 +67,9 @@ class TaylorReader(Reader):
     """TaylorSeer: a hit is a step that reused the last full computation."""
 
     __slots__ = ()
+
+    def take(self) -> dict[str, Any]:
+        return {name: (st.current_step, st.last_update_step) for name, st in self.states().items()}
 
     @staticmethod
     def _raw(st: Any) -> Any:

@@ -151,3 +151,21 @@ def test_stub_pipeline_round_trip() -> None:
     assert type(pipe) is StubPipeline and "encode_prompt" not in vars(pipe) and "_stepwatch" not in vars(pipe)
     assert set(vars(pipe.scheduler)) == {"timesteps"} and vars(pipe.vae) == {}
     assert "cache_context" not in vars(pipe.transformer)
+
+
+def test_observe_all_matches_one_observe_per_amount() -> None:
+    """The per-request batched histogram write exposes exactly what one observe() per step would."""
+    from prometheus_client import Histogram
+
+    from stepwatch.exporter.publish import observe_all
+
+    amounts = [0.0005, 0.2, 0.2, 2.0, -1.0, 1e6, 0.0, 0.001, 0.3]
+    one, batched = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("x_seconds", "x", buckets=(0.0005, 0.001, 0.1, 1.0), registry=one)
+    h2 = Histogram("x_seconds", "x", buckets=(0.0005, 0.001, 0.1, 1.0), registry=batched)
+    for a in amounts:
+        h1.observe(a)
+    observe_all(h2, amounts)
+    d1, d2 = scrape(one), scrape(batched)
+    assert {k: v for k, v in d1.items() if "_created" not in k[0]} == {k: v for k, v in d2.items()
+                                                                       if "_created" not in k[0]}
