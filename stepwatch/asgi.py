@@ -35,10 +35,11 @@ class ThreadedServer:
     def start(self, timeout: float = 10.0) -> None:
         """Serve, and return once uvicorn accepts connections."""
         self._thread.start()
-        deadline = time.time() + timeout
-        while not self.server.started and self._thread.is_alive() and time.time() < deadline:
+        deadline = time.monotonic() + timeout
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.005)
         if not self.server.started:
+            self.stop()
             raise OSError(f"the HTTP server on {self.url} did not start")
 
     def stop(self) -> None:

@@ -267,7 +267,7 @@ def test_thresholds_come_from_the_source_and_baselines_from_gauges(th: Any) -> N
     step = by[th.alert("step_time_regression").name]
     hit = by[th.alert("cache_hit_rate_shift").name]
     assert "stepwatch_baseline_step_duration_seconds" in step and "offset" not in step
-    assert step.rstrip().endswith(f"> {rulegen.num(th.alert('step_time_regression').threshold)}")
+    assert step.rstrip().endswith(f"> {promql.num(th.alert('step_time_regression').threshold)}")
     assert "stepwatch_baseline_cache_hit_ratio" in hit and "offset" not in hit
     assert "> 1.3" in hit and "< 0.7" in hit
     assert 'stepwatch_memory_peak_ratio_bucket{le="0.9"}' in by["StepwatchMemoryPressure"]

@@ -60,12 +60,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"stepwatch triage run: {e}", file=sys.stderr)
         return EXIT_USAGE
-    prom = Prometheus(args.prometheus, timeout=5.0)
+    with Prometheus(args.prometheus, timeout=5.0) as prom:
+        return _triage_now(args, prom, at)
+
+
+def _triage_now(args: argparse.Namespace, prom: Prometheus, at: float | None) -> int:
     engine = Engine(prom, at=at)
     try:
         if args.alertmanager and at is None:
             # Every state: the engine triages the firing ones and counts the suppressed (silenced, inhibited).
-            alerts = [Alert.parse(x) for x in Alertmanager(args.alertmanager, timeout=5.0).alerts()]
+            with Alertmanager(args.alertmanager, timeout=5.0) as am:
+                alerts = [Alert.parse(x) for x in am.alerts()]
         else:
             alerts = firing_at(prom, at)
     except PromError as e:

@@ -333,7 +333,7 @@ def mitigation_for(section: str, cause: str) -> str:
 class Engine:
     """Runs runbook checks for alerts against one Prometheus, optionally at a fixed past time."""
 
-    def __init__(self, prom: Prometheus | str, thresholds: Any = None, at: float | None = None) -> None:
+    def __init__(self, prom: Prometheus | str, thresholds: Thresholds | None = None, at: float | None = None) -> None:
         self.prom = Prometheus(prom, timeout=5.0) if isinstance(prom, str) else prom
         self.th = thresholds or _thresholds()
         self.at = at
@@ -661,8 +661,11 @@ class Report:
 
 
 def triage(alerts: Iterable[Alert | Mapping[str, Any]], prometheus: Prometheus | str, at: float | None = None,
-           thresholds: Any = None) -> Report:
+           thresholds: Thresholds | None = None) -> Report:
     """Triage these alerts (Alert objects or alert dicts in any of the three formats) against Prometheus."""
     parsed = [a if isinstance(a, Alert) else Alert.parse(a) for a in alerts]
+    if isinstance(prometheus, str):  # a client of our own: closed when done
+        with Prometheus(prometheus, timeout=5.0) as prom:
+            return Engine(prom, thresholds, at).run(parsed)
     return Engine(prometheus, thresholds, at).run(parsed)
 

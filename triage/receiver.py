@@ -70,6 +70,9 @@ class TriageServer:
     def __init__(self, prometheus: str, out: str | Path, host: str = "127.0.0.1", port: int = 9466,
                  forward: str | None = None, context: bool = True, at: float | None = None) -> None:
         """``at`` evaluates every notification at that fixed time (replays and tests); None is now."""
+        self.app = make_app(self)
+        self._http = ThreadedServer(self.app, host, port, name="triage-http")  # first: a taken port leaks nothing
+        self.url = self._http.url
         self.prom = Prometheus(prometheus, timeout=5.0)
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -79,15 +82,17 @@ class TriageServer:
         self.queue: queue.Queue[tuple[float, dict[str, Any]] | None] = queue.Queue()
         self.written: list[dict[str, Any]] = []  # {received, written, latency_s, files, status}
         self.latest: dict[str, Any] | None = None
-        self._forwarder = httpclient.client(timeout=5.0) if forward else None
-        self.app = make_app(self)
-        self._http = ThreadedServer(self.app, host, port, name="triage-http")
-        self.url = self._http.url
+        # Redirects followed, as urllib did: a forward target behind a redirect still gets its report.
+        self._forwarder = httpclient.client(timeout=5.0, follow_redirects=True) if forward else None
         self._worker = threading.Thread(target=self._work, daemon=True, name="triage-worker")
 
     def start(self) -> TriageServer:
         self._worker.start()
-        self._http.start()
+        try:
+            self._http.start()
+        except OSError:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
