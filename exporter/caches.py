@@ -48,7 +48,7 @@ class Reader:
 
     def take(self) -> dict[str, Any]:
         # The attribute read inline (not through _raw): this runs once per step.
-        return {name: st.should_compute for name, st in self.states().items()}
+        return {name: st.should_compute for name, st in list(self.states().items())}
 
     @staticmethod
     def _raw(st: Any) -> Any:
@@ -69,7 +69,7 @@ class TaylorReader(Reader):
     __slots__ = ()
 
     def take(self) -> dict[str, Any]:
-        return {name: (st.current_step, st.last_update_step) for name, st in self.states().items()}
+        return {name: (st.current_step, st.last_update_step) for name, st in list(self.states().items())}
 
     @staticmethod
     def _raw(st: Any) -> Any:

@@ -236,6 +236,9 @@ class Instrumentation:
             req.stage = "text_encode"
             req.te_open = self.clock.mark()
         else:
+            # Denoising is over: branches after the last step call are read now, before the pipeline's
+            # maybe_free_model_hooks() resets the cache state at the end of __call__.
+            req.tail_snapshot()
             self._close_stage_memory(req)
             req.stage = "vae_decode"
             req.vae_open = self.clock.mark()

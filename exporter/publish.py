@@ -25,7 +25,8 @@ def observe_all(hist: Any, amounts: Sequence[float]) -> None:
     bounds = getattr(hist, "_upper_bounds", None)
     buckets = getattr(hist, "_buckets", None)
     total = getattr(hist, "_sum", None)
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets) or len(amounts) < 2:
+    if (bounds is None or buckets is None or total is None or len(bounds) != len(buckets) or len(amounts) < 2
+            or any(a != a for a in amounts)):  # NaN lands in no bucket: observe() knows how
         for a in amounts:
             hist.observe(a)
         return

@@ -73,7 +73,8 @@ class RequestMarks:
 
     def tail_snapshot(self) -> None:
         """Branches that ran after the last step (a failed step, a pipeline without a final step call) had
-        no snapshot taken: take it now, once the request is over."""
+        no snapshot taken: take it now, once denoising is over (at the VAE decode, before the pipeline
+        resets its cache hooks; else when the request ends, which a failed step reaches first)."""
         if self.take is not None and self.log and type(self.log[-1]) is str:
             self.add(self.take())
 

@@ -169,3 +169,55 @@ def test_observe_all_matches_one_observe_per_amount() -> None:
     d1, d2 = scrape(one), scrape(batched)
     assert {k: v for k, v in d1.items() if "_created" not in k[0]} == {k: v for k, v in d2.items()
                                                                        if "_created" not in k[0]}
+
+
+class _FbcLike:
+    """A reader as caches.Reader: raw ``should_compute`` per branch; a hit is a branch that did not compute."""
+
+    @staticmethod
+    def decide(raw: Any) -> bool | None:
+        return not bool(raw)
+
+
+class _TaylorLike:
+    @staticmethod
+    def decide(raw: Any) -> bool | None:
+        current, last_update = raw
+        return None if current < 0 else last_update != current
+
+
+def test_replay_attributes_each_branch_decision_to_its_step() -> None:
+    from stepwatch.exporter.request import replay
+
+    log: list[Any] = ["cond", "uncond", 1.0, {"cond": True, "uncond": True},     # step 0: both computed
+                      "cond", "uncond", 2.0, {"cond": False, "uncond": True},    # step 1: cond reused
+                      "cond", "uncond", 3.0, {"cond": False, "uncond": False},   # step 2: both reused
+                      "cond", {"cond": True}]                                    # a trailing branch, no step call
+    req = _marks(cache=("first_block_cache", _FbcLike()))
+    req.log.extend(log)
+    r = replay(req)
+    assert r.step_marks == [1.0, 2.0, 3.0] and r.max_branches == 2
+    assert r.decisions == [(0, "cond", False), (0, "uncond", False), (1, "cond", True), (1, "uncond", False),
+                           (2, "cond", True), (2, "uncond", True), (3, "cond", False)]
+
+
+def test_replay_reads_taylorseer_state_and_skips_branches_without_a_decision() -> None:
+    from stepwatch.exporter.request import replay
+
+    req = _marks(cache=("taylorseer_cache", _TaylorLike()))
+    req.log.extend(["cond", 1.0, {"cond": (0, 0)}, "cond", 2.0, {"cond": (1, 0)}, "cond", 3.0, {"cond": (-1, 0)}])
+    assert replay(req).decisions == [(0, "cond", False), (1, "cond", True)]
+
+
+def test_observe_all_leaves_nan_out_of_the_buckets_as_observe_does() -> None:
+    from prometheus_client import Histogram
+
+    from stepwatch.exporter.publish import observe_all
+
+    one, batched = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("y_seconds", "y", buckets=(0.1, 1.0), registry=one)
+    h2 = Histogram("y_seconds", "y", buckets=(0.1, 1.0), registry=batched)
+    for a in (0.05, float("nan"), 0.5):
+        h1.observe(a)
+    observe_all(h2, [0.05, float("nan"), 0.5])
+    assert value(scrape(one), "y_seconds_count") == value(scrape(batched), "y_seconds_count") == 2
