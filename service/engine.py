@@ -108,8 +108,10 @@ class Service:
             if self._stopped:
                 return
             self._stop.set()
-            self._fail_queued(_server_error(503, "the service is shutting down", "shutting_down"))
+            shutting_down = _server_error(503, "the service is shutting down", "shutting_down")
+            self._fail_queued(shutting_down)
             self.worker.stop()
+            self._fail_queued(shutting_down)  # admitted while the worker stopped: answered, not left waiting
             self._stopped = True
 
     def _fail_queued(self, err: api.ApiError) -> None:
@@ -269,6 +271,8 @@ class Service:
         return self._answer(adm.req, adm.pool.name, adm.ticket, reply, adm.t0)
 
     def _admit(self, req: api.GenerationRequest, pool: str) -> Ticket:
+        if self._stop.is_set():
+            raise _server_error(503, "the service is shutting down", "shutting_down")
         if self.fatal is not None:
             raise _server_error(503, WORKER_FAILED, "worker_failed")
         if not self.ready:

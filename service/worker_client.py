@@ -68,6 +68,7 @@ class WorkerClient:
         self._lock = threading.Lock()
         self.generation = 0  # bumped by every start and by stop: a death of an older generation is expected
         self.ready = threading.Event()
+        self.stopped = False  # after stop(), no request is sent and none is left waiting
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -99,11 +100,7 @@ class WorkerClient:
                 break
         proc.join(timeout=5)
         code = proc.exitcode
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(WorkerDied(exit_text(code)))
+        self._fail_pending(exit_text(code))
         if generation == self.generation:
             self.ready.clear()
             self._on_died(code)
@@ -125,6 +122,9 @@ class WorkerClient:
     def call(self, msg: Request) -> Future[Reply]:
         """Send a request; the Future gets its reply, or WorkerDied."""
         fut: Future[Reply] = Future()
+        if self.stopped:  # the worker is gone for good: nobody would ever answer
+            fut.set_exception(WorkerDied("the service is shutting down"))
+            return fut
         msg["id"] = msg.get("id") or uuid.uuid4().hex
         with self._lock:
             self._pending[msg["id"]] = fut
@@ -147,6 +147,7 @@ class WorkerClient:
 
     def stop(self) -> None:
         self.generation += 1  # a death from here on is expected
+        self.stopped = True
         try:
             with self._send_lock:
                 self.conn.send({"op": "shutdown"})  # type: ignore[union-attr]
@@ -157,3 +158,12 @@ class WorkerClient:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(timeout=5)
+        self._fail_pending("the service is shutting down")
+
+    def _fail_pending(self, why: str) -> None:
+        """Every request still waiting for a reply gets WorkerDied, so no caller (and no HTTP client) hangs."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerDied(why))
