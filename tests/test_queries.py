@@ -22,15 +22,12 @@ from stepwatch.alerts.thresholds import PROFILES, Thresholds, load
 from stepwatch.catalog import series_names
 from stepwatch.fault_injection import queries
 from stepwatch.runbooks import parse
+from tests.test_runbooks import EXAMPLE_LABELS  # one set of example label values
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILTINS = {"up", "ALERTS", "ALERTS_FOR_STATE"}  # series Prometheus makes itself
 FREE_LABELS = {"ALERTS", "ALERTS_FOR_STATE"}  # carry every label of their alert
 QUERY_METHODS = {"query", "value", "query_range"}  # the Prometheus client's methods that take PromQL
-EXAMPLE_LABELS = {"job": "stepwatch-service", "instance": "10.0.0.1:8000", "shape": "1024x1024_8s_cfg",
-                  "pool": "large", "device": "cuda:0", "gpu": "0", "rank": "1", "stage": "vae_decode",
-                  "probe_set": "default", "instance_id": "svc-a", "quantile": "p10", "phase": "serving",
-                  "reason": "timeout", "component": "scheduler.step"}
 
 
 @pytest.fixture(scope="module")
