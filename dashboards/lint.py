@@ -108,7 +108,7 @@ def is_counter(name: str, kinds: Mapping[str, str]) -> bool:
     if kinds.get(name) == "counter" or name.endswith("_total"):
         return True
     for suffix in ("_bucket", "_count", "_sum"):
-        if name.endswith(suffix) and kinds.get(name[: -len(suffix)]) == "histogram":
+        if name.endswith(suffix) and kinds.get(name[: -len(suffix)]) in ("histogram", "summary"):
             return True
     return False
 

@@ -19,9 +19,16 @@ OTHER_STAGES = ("prepare", "postprocess")
 
 
 def observe_all(hist: Any, amounts: Sequence[float]) -> None:
-    """``hist.observe(a)`` for every amount, with one increment per touched bucket and one of the sum:
-    a request's steps land in a few buckets, and prometheus_client's observe() takes a lock per call.
-    Falls back to observe() when the histogram does not have prometheus_client's layout."""
+    """``hist.observe(a)`` for every amount, with one increment per touched bucket (or of the count, for a
+    summary) and one of the sum: prometheus_client's observe() takes a lock per call.  Falls back to
+    observe() when the metric does not have prometheus_client's layout."""
+    count = getattr(hist, "_count", None)
+    if count is not None and not hasattr(hist, "_upper_bounds") and getattr(hist, "_sum", None) is not None:
+        if amounts:
+            hist._raise_if_not_observable()
+            count.inc(len(amounts))
+            hist._sum.inc(sum(amounts))
+        return
     bounds = getattr(hist, "_upper_bounds", None)
     buckets = getattr(hist, "_buckets", None)
     total = getattr(hist, "_sum", None)
@@ -55,7 +62,6 @@ class ShapeChildren:
         self.stages = {s: m.pipeline_stage_duration_seconds.labels(shape=shape, stage=s) for s in STAGES}
         self.step = m.pipeline_step_duration_seconds.labels(shape=shape)
         self.branches = m.pipeline_cfg_branches.labels(shape=shape)
-        self.position = m.cache_hit_position_ratio.labels(shape=shape)
         self.step_flops = m.ledger_step_flops.labels(shape=shape)
         self.flops = m.ledger_flops_total.labels(shape=shape)
         self._m = m
@@ -76,15 +82,17 @@ class Publisher:
     def __init__(self, metrics: MetricSet, device: str) -> None:
         self.metrics = metrics
         self.device = device
+        self.position = metrics.cache_hit_position_ratio
         self.capacity = metrics.memory_capacity_bytes.labels(device=device)
         self.ratio = metrics.memory_peak_ratio.labels(device=device)
         self._children: dict[str, ShapeChildren] = {}
         self._peaks: dict[str, Any] = {}
 
     def zero_events(self, shape: str) -> None:
-        """Event counters of ``shape`` at 0 (for the allowlist: from the start)."""
+        """Event counters of ``shape`` at 0 (for the allowlist: from the start), for the stages where OOMs
+        happen; one in ``prepare``/``postprocess`` is born at 1, which the alert's births arm catches."""
         self.metrics.compile_total.labels(shape=shape, phase="serving")
-        for stage in (*STAGES, *OTHER_STAGES):
+        for stage in STAGES:
             self.metrics.oom_total.labels(shape=shape, stage=stage)
 
     def children(self, shape: str) -> ShapeChildren:
@@ -134,7 +142,7 @@ class Publisher:
         if misses:
             m.cache_decisions_total.labels(shape=r.shape_label, cache=cache, decision="miss").inc(misses)
         steps = r.shape.steps if r.shape else max(1, len(r.step_seconds))
-        observe_all(c.position, [step / steps for step, _branch, hit in r.cache_decisions if hit])
+        observe_all(self.position, [step / steps for step, _branch, hit in r.cache_decisions if hit])
 
     def _memory(self, r: RequestReport) -> None:
         peaks = self._peaks

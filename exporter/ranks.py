@@ -89,12 +89,19 @@ class RankReporter:
         self.last = [float(v[0]) for v in values]
         if self.rank != 0 or not steps:
             return
-        for r, (b, n) in enumerate(values):
-            metrics.rank_step_duration_seconds.labels(rank=str(r)).set(b)
-            metrics.rank_busy_seconds_total.labels(rank=str(r)).inc(b * n)
-            metrics.rank_steps_total.labels(rank=str(r)).inc(n)
-        fastest = min(self.last)
-        skew = (max(self.last) - fastest) / fastest if fastest > 0 else 0.0
-        metrics.rank_skew_ratio.set(skew)
-        report.extra["rank_step_seconds"] = list(self.last)
-        report.extra["rank_skew"] = skew
+        publish_ranks(values, report, metrics)
+
+
+def publish_ranks(values: list[tuple[float, int]], report: Any, metrics: Any) -> None:
+    """Rank 0's part: every rank's (busy seconds per step, steps) of one request into the metrics and
+    the report (the only rank that serves /metrics)."""
+    for r, (b, n) in enumerate(values):
+        metrics.rank_step_duration_seconds.labels(rank=str(r)).set(b)
+        metrics.rank_busy_seconds_total.labels(rank=str(r)).inc(b * n)
+        metrics.rank_steps_total.labels(rank=str(r)).inc(n)
+    busy = [float(b) for b, _n in values]
+    fastest = min(busy)
+    skew = (max(busy) - fastest) / fastest if fastest > 0 else 0.0
+    metrics.rank_skew_ratio.set(skew)
+    report.extra["rank_step_seconds"] = busy
+    report.extra["rank_skew"] = skew

@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "bench": {
         "overhead": ("stepwatch.exporter.cli_bench", "instrumentation overhead per step, bare vs instrumented"),
         "service": ("stepwatch.service.cli_bench", "service throughput and latency vs the bare pipeline"),
+        "exposition": ("stepwatch.exporter.cli_bench_exposition",
+                       "series, bytes and render time of /metrics at fleet cardinality"),
     },
     "gpu-check": ("stepwatch.exporter.cli_gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, Summary
 
 from stepwatch.catalog import METRICS, Owner
 
@@ -32,6 +32,8 @@ class MetricSet:
                 c = Gauge(m.name, m.help, m.labels, registry=registry)
             elif m.kind == "histogram":
                 c = Histogram(m.name, m.help, m.labels, registry=registry, buckets=m.buckets)
+            elif m.kind == "summary":
+                c = Summary(m.name, m.help, m.labels, registry=registry)
             else:
                 c = Info(m.name, m.help, m.labels, registry=registry)
             self._by_name[m.name.removeprefix("stepwatch_")] = c

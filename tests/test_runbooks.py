@@ -27,7 +27,7 @@ RUNBOOKS = ROOT / "runbooks"
 # Example values for every label an alert can carry (rendering placeholders for the checks).
 EXAMPLE_LABELS = {"job": "stepwatch-service", "instance": "10.0.0.1:8000", "shape": "1024x1024_8s_cfg",
                   "pool": "large", "device": "cuda:0", "gpu": "0", "rank": "1", "stage": "vae_decode",
-                  "probe_set": "default", "instance_id": "svc-a", "quantile": "p10", "phase": "serving",
+                  "probe_set": "default", "instance_id": "svc-a", "stat": "p10", "phase": "serving",
                   "reason": "timeout", "component": "scheduler.step"}
 
 
@@ -252,7 +252,10 @@ def _exposed(text: str) -> tuple[set[str], set[str]]:
     """(series names declared by # TYPE lines, series names with at least one sample)."""
     declared: set[str] = set()
     for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
-        declared |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram" else {name}
+        if kind in ("histogram", "summary"):
+            declared |= {f"{name}_sum", f"{name}_count"} | ({f"{name}_bucket"} if kind == "histogram" else set())
+        else:
+            declared.add(name)
     sampled = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, re.M))
     return declared, sampled
 
