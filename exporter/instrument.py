@@ -11,6 +11,10 @@ Where we hook, and why there (all outside anything torch.compile traces):
   transformer.cache_context    one call per CFG branch; cache decision after it
   vae.decode                   vae_decode stage
 
+CFG run as one transformer call on a doubled batch (SD3, SDXL, Sana, ...: one or no cache_context per
+step) is not seen by any hook: at request end the pipeline's own ``do_classifier_free_guidance`` is read
+once and, when no step logged two branches, decides 1 or 2 (``request.branch_count``).
+
 The flow has three parts, one module each: the hooks record marks while the
 request runs (``hooks``, installed through the named ``patches`` registry, so
 uninstrument() undoes exactly what instrument() did and instrument() twice is
@@ -48,6 +52,7 @@ from stepwatch.exporter.request import (
     RequestMarks,
     ResolveContext,
     StepFlops,
+    batch_cfg,
     denoiser,
     marks_for,
     resolve,
@@ -298,6 +303,8 @@ class Instrumentation:
         WATCH.set_sink(getattr(self._local, "prev_sink", None))
         req.end = self.clock.mark()
         req.tail_snapshot()
+        if req.denoise_start is not None:  # this call set the guidance the property reads
+            req.batch_cfg = batch_cfg(self.pipe)
         self._close_stage_memory(req)
         if exc is not None:
             self._record_failure(req, exc)

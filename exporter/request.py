@@ -32,7 +32,8 @@ class RequestMarks:
     transformer call, the clock mark per scheduler.step and, with a cache active, the cache's raw state
     right after the mark (a dict).  ``replay`` turns it into step marks, branch counts and decisions at
     request end, so a step costs two appends and a state copy.  ``step_marks``/``decisions``/``max_branches``
-    hold marks recorded directly (tests, other recorders) and are merged with the log.
+    hold marks recorded directly (tests, other recorders) and are merged with the log.  ``batch_cfg`` is read
+    once when the request ends (``batch_cfg()``), for CFG run as one call on a doubled batch.
     """
 
     start: Any
@@ -64,6 +65,7 @@ class RequestMarks:
     outcome: str = "ok"
     error: str | None = None
     oom_demand: int | None = None
+    batch_cfg: bool | None = None  # the pipeline's do_classifier_free_guidance, read once at request end
     add: Callable[[Any], None] = field(init=False, repr=False)
     take: Callable[[], dict[str, Any]] | None = field(init=False, repr=False)
 
@@ -183,19 +185,52 @@ def _peaks(req: RequestMarks) -> tuple[dict[str, int], str | None]:
     return peaks, failed_stage
 
 
+def branch_count(logged: int, batch_cfg: bool | None, hint: bool) -> int:
+    """CFG branches per step: the shape's ``_cfg``, the ``cfg_branches`` gauge and the ledger's multiplier.
+
+    ``logged`` is the most cache_context branches seen in one step.  Two or more: CFG ran as separate
+    transformer calls (FLUX's true CFG, Wan), counted as seen; the batch is not consulted, so nothing counts
+    twice.  At most one: CFG, if on, ran as one call on a doubled batch (SD3, SDXL, Sana, LTX's and Mochi's
+    ``cond_uncond``...), which the pipeline's own ``do_classifier_free_guidance`` says (``batch_cfg``: 2 when
+    true, 1 when false).  A pipeline without that property keeps what was logged, and with nothing logged
+    (no cache_context at all, or a request that failed before its first step) the call's parameters decide
+    (``cfg_hint``).  A tripled batch (PAG with CFG, InstructPix2Pix) or SD3's skip-layer call still reads 2.
+    """
+    if logged > 1:
+        return logged
+    if batch_cfg is not None:
+        return 2 if batch_cfg else 1
+    if logged:
+        return logged
+    return 2 if hint else 1
+
+
+def batch_cfg(pipe: Any) -> bool | None:
+    """The pipeline's ``do_classifier_free_guidance`` for the call it just made, where its class defines that
+    property (diffusers: SD/SDXL, SD3, Sana, Wan, LTX, Mochi, Lumina, Chroma...: ``_guidance_scale > 1`` and
+    whatever else its loop tests, so it is exactly what decided the batch); None where it does not (FLUX,
+    whose true CFG is two logged calls; PixArt and CogVideoX, which use a local variable) or it fails."""
+    if not isinstance(getattr(type(pipe), "do_classifier_free_guidance", None), property):
+        return None
+    try:
+        return bool(pipe.do_classifier_free_guidance)
+    except Exception:
+        return None
+
+
 def resolve(req: RequestMarks, phase: str, ctx: ResolveContext) -> Resolved:
     """The report of one finished request whose marks are all ready."""
     log = replay(req)
     stages, stage_bounds, step_bounds = _timings(req, ctx, log.step_marks)
     step_seconds = [b - a for a, b in step_bounds]
-    branches = log.max_branches
-    cfg = branches > 1 if branches else req.cfg_hint
+    branches = branch_count(log.max_branches, req.batch_cfg, req.cfg_hint)
+    cfg = branches > 1
     steps = req.planned_steps or req.steps_hint or len(step_seconds)
     shape = (ShapeKey(req.height, req.width, int(steps), cfg, req.frames)
              if req.height and req.width and steps else None)
     step_flops = None
     if shape is not None and ctx.step_flops is not None:
-        step_flops = ctx.step_flops(req, max(branches, 2 if cfg else 1))
+        step_flops = ctx.step_flops(req, branches)
     mean_step = sum(step_seconds) / len(step_seconds) if step_seconds else 0.0
     peaks, failed_stage = _peaks(req)
     report = RequestReport(
@@ -222,26 +257,40 @@ def resolve(req: RequestMarks, phase: str, ctx: ResolveContext) -> Resolved:
 
 
 class StepFlops:
-    """The ledger's FLOPs per step for a request's geometry, memoized (requests repeat a few shapes)."""
+    """The ledger's FLOPs per step for a request's geometry, memoized (requests repeat a few shapes).
+
+    ``branches`` multiplies one forward (branch_count: separate calls or the halves of a doubled batch cost
+    the same).  SD3's sequence holds CLIP's padded tokens (``tokenizer_max_length``, 77) before T5's
+    (``max_sequence_length``; without a T5 encoder, zeros of CLIP's length)."""
 
     _MEMO_MAX = 256
 
     def __init__(self, model: ledger.LedgerModel, pipe: Any) -> None:
         self.model = model
+        self.pipe = pipe
         self.spatial = int(getattr(pipe, "vae_scale_factor_spatial", 0) or getattr(pipe, "vae_scale_factor", 8) or 8)
         self.temporal = int(getattr(pipe, "vae_scale_factor_temporal", 4) or 4)
         self._memo: dict[tuple[Any, ...], float] = {}
 
+    def text_tokens(self, req: RequestMarks) -> int:
+        if self.model.family != "sd3":
+            return req.text_tokens
+        clip = int(getattr(self.pipe, "tokenizer_max_length", 0) or 77)
+        t5 = req.text_tokens if getattr(self.pipe, "text_encoder_3", None) is not None else clip
+        return clip + t5
+
     def __call__(self, req: RequestMarks, branches: int) -> float | None:
         if not req.height or not req.width:
             return None
-        key = (req.height, req.width, req.frames, req.text_tokens, branches)
+        text = self.text_tokens(req)
+        key = (req.height, req.width, req.frames, text, branches)
         cached = self._memo.get(key)
         if cached is not None:
             return cached
-        n, n_txt = self.model.tokens(req.height, req.width, req.frames, self.spatial, self.temporal,
-                                     req.text_tokens)
-        flops = branches * self.model.forward_flops(n, n_txt)
+        model = self.model
+        n, n_txt = model.tokens(req.height, req.width, req.frames, self.spatial, self.temporal, text)
+        n_img = model.tokens(req.height, req.width, req.frames, self.spatial, self.temporal, 0)[0]
+        flops = branches * model.forward_flops(n, n_txt, n_img)
         if len(self._memo) < self._MEMO_MAX:
             self._memo[key] = flops
         return flops
@@ -283,13 +332,18 @@ def default_size(pipe: Any) -> int | None:
 
 
 def cfg_hint(pipe: Any, params: Mapping[str, Any]) -> bool:
-    """CFG on? Only used when no transformer call was observed (the request failed early)."""
+    """CFG on, from the call's parameters?  Only used when no branch was logged and the pipeline has no
+    ``do_classifier_free_guidance`` (see branch_count).  A FLUX-family transformer embeds ``guidance_scale``
+    (FLUX.2's config has no ``guidance_embeds`` to say so): its CFG is ``true_cfg_scale`` only."""
     true_cfg = params.get("true_cfg_scale")
     if true_cfg is not None and "guidance_scale" in params and "negative_prompt" in params:
         return bool(true_cfg > 1 and (params.get("negative_prompt") or params.get("negative_prompt_embeds")))
     gs = params.get("guidance_scale")
-    return bool(gs is not None and gs > 1 and not getattr(getattr(pipe, "transformer", None), "config", {})
-                .get("guidance_embeds", False))
+    if gs is None or not gs > 1:
+        return False
+    t = getattr(pipe, "transformer", None)
+    t = getattr(t, "_orig_mod", t)
+    return not (type(t).__name__.startswith("Flux") or getattr(t, "config", {}).get("guidance_embeds", False))
 
 
 def denoiser(pipe: Any) -> Any:

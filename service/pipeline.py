@@ -1,8 +1,9 @@
 """The practice pipelines: real diffusers pipelines built offline from small configs.
 
-``build_pipeline()`` makes a FluxPipeline (or a WanPipeline, the video family)
-with random weights drawn from a fixed seed: no hub, no downloads, and two
-processes with the same seed build bit-identical pipelines.  Given ``model``, a
+``build_pipeline()`` makes a FluxPipeline (or a WanPipeline, the video family,
+or a StableDiffusion3Pipeline, the family that runs CFG as one transformer call
+on a doubled batch) with random weights drawn from a fixed seed: no hub, no
+downloads, and two processes with the same seed build bit-identical pipelines.  Given ``model``, a
 local model directory, the same function loads a real model instead
 (``DiffusionPipeline.from_pretrained``), which is what a GPU pod runs.
 Only processes that build a pipeline import this module (it imports torch).
@@ -24,6 +25,8 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
     WanPipeline,
     WanTransformer3DModel,
 )
@@ -31,6 +34,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
+    CLIPTextModelWithProjection,
     PreTrainedTokenizerFast,
     T5Config,
     T5EncoderModel,
@@ -40,7 +44,7 @@ from transformers import (
 
 log = logging.getLogger("stepwatch.service.pipeline")
 
-FAMILIES = ("flux", "wan")
+FAMILIES = ("flux", "wan", "sd3")
 # A word-level vocabulary: prompts are split on whitespace and unknown words map to [UNK],
 # which is all a random-weight text encoder needs.
 _VOCAB_SIZE = 1000
@@ -87,6 +91,15 @@ def _sharpen(transformer: Any) -> None:
                 p.mul_(4.0)
 
 
+def _tiny_vae() -> Any:
+    # No mid-block attention (its N^2 map at 2048^2 would dominate); tiles of 256 px.
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=(8, 16, 16, 16), layers_per_block=1,
+        latent_channels=16, norm_num_groups=4, shift_factor=0.0, scaling_factor=1.0, use_quant_conv=False,
+        use_post_quant_conv=False, sample_size=256, mid_block_add_attention=False)
+
+
 def _tiny_flux(seed: int) -> Any:
     vocab = _VOCAB_SIZE + len(_SPECIALS)
     _seeded(seed, 1)
@@ -104,12 +117,7 @@ def _tiny_flux(seed: int) -> Any:
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
     _sharpen(transformer)
     _seeded(seed, 4)
-    # No mid-block attention (its N^2 map at 2048^2 would dominate); tiles of 256 px.
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=(8, 16, 16, 16), layers_per_block=1,
-        latent_channels=16, norm_num_groups=4, shift_factor=0.0, scaling_factor=1.0, use_quant_conv=False,
-        use_post_quant_conv=False, sample_size=256, mid_block_add_attention=False)
+    vae = _tiny_vae()
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip,
         tokenizer=_tokenizer(77, "<|endoftext|>"), text_encoder_2=t5, tokenizer_2=_tokenizer(512, "</s>"),
@@ -142,6 +150,39 @@ def _tiny_wan(seed: int) -> Any:
     return pipe
 
 
+def _tiny_sd3(seed: int) -> Any:
+    """SD3's parts at the sizes of diffusers' own SD3 pipeline tests (two CLIP encoders of width 32, an MMDiT of
+    4 heads x 8), with real SD3's 2x2 patches and 16 latent channels and the FLUX family's 8x VAE: 64^2 is 16
+    image tokens.  T5 is 64 wide, the two CLIP widths side by side, so the joint text embedding is not cropped."""
+    vocab = _VOCAB_SIZE + len(_SPECIALS)
+    clip_config = CLIPTextConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=37, num_hidden_layers=5, num_attention_heads=4,
+        projection_dim=32, hidden_act="gelu", layer_norm_eps=1e-5, max_position_embeddings=77,
+        eos_token_id=vocab - 1, pad_token_id=_VOCAB_SIZE + 1, bos_token_id=_VOCAB_SIZE)
+    _seeded(seed, 1)
+    clip = CLIPTextModelWithProjection(clip_config)
+    _seeded(seed, 5)
+    clip_2 = CLIPTextModelWithProjection(clip_config)
+    _seeded(seed, 2)
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=vocab, d_model=64, d_kv=16, d_ff=37, num_layers=2, num_heads=4,
+        pad_token_id=_VOCAB_SIZE + 1, eos_token_id=_VOCAB_SIZE + 2))
+    _seeded(seed, 3)
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=64, pooled_projection_dim=64)
+    _seeded(seed, 4)
+    vae = _tiny_vae()
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=clip, tokenizer=_tokenizer(77, "<|endoftext|>"), text_encoder_2=clip_2,
+        tokenizer_2=_tokenizer(77, "<|endoftext|>"), text_encoder_3=t5, tokenizer_3=_tokenizer(512, "</s>"))
+    parts: list[Any] = [clip, clip_2, t5, transformer, vae]
+    for m in parts:
+        m.eval().requires_grad_(False)
+    return pipe
+
+
 def build_pipeline(family: str = "flux", model: str | os.PathLike[str] | None = None, seed: int = 0,
                    device: str = "cpu", dtype: str | None = None) -> Any:
     """A ready pipeline: the tiny offline one of ``family``, or the model directory ``model``."""
@@ -155,6 +196,8 @@ def build_pipeline(family: str = "flux", model: str | os.PathLike[str] | None = 
         pipe = _tiny_flux(seed)
     elif family == "wan":
         pipe = _tiny_wan(seed)
+    elif family == "sd3":
+        pipe = _tiny_sd3(seed)
     else:
         raise ValueError(f"unknown pipeline family {family!r}; choose one of {', '.join(FAMILIES)}")
     if torch_dtype is not None and model is None:
