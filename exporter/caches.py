@@ -47,8 +47,12 @@ class Reader:
         return states
 
     def take(self) -> dict[str, Any]:
-        # The attribute read inline (not through _raw): this runs once per step.
-        return {name: st.should_compute for name, st in list(self.states().items())}
+        # The attribute read inline (not through _raw), the states dict held: this runs once per step, on
+        # the thread that alone changes that dict (the pipeline's).
+        states = self._states
+        if states is None:
+            states = self.states()
+        return {name: st.should_compute for name, st in states.items()}
 
     @staticmethod
     def _raw(st: Any) -> Any:
@@ -69,7 +73,10 @@ class TaylorReader(Reader):
     __slots__ = ()
 
     def take(self) -> dict[str, Any]:
-        return {name: (st.current_step, st.last_update_step) for name, st in list(self.states().items())}
+        states = self._states
+        if states is None:
+            states = self.states()
+        return {name: (st.current_step, st.last_update_step) for name, st in states.items()}
 
     @staticmethod
     def _raw(st: Any) -> Any:

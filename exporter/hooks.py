@@ -91,11 +91,12 @@ def cache_context(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[...
     local = inst._local
 
     def cache_context(name: str, *args: Any, **kwargs: Any) -> Any:
-        inner = fn(name, *args, **kwargs)
+        # diffusers passes the name alone; forwarding empty *args/**kwargs would cost more than the hook.
+        inner = fn(name, *args, **kwargs) if args or kwargs else fn(name)
         req = getattr(local, "req", None)
         if req is not None:
             try:
-                req.add(str(name))
+                req.add(name if name.__class__ is str else str(name))  # a str in the log is a branch name
             except Exception as e:
                 inst._guard.fail("transformer.cache_context", e)
         return inner

@@ -97,6 +97,10 @@ def replay(req: RequestMarks) -> Replayed:
     branches = req.max_branches
     decisions = list(req.decisions)
     decide = getattr(req.cache[1], "decide", None) if req.cache is not None else None
+    # FirstBlockCache / MagCache: a hit is a branch that did not compute, decided inline (this loop runs
+    # over every step of the request).
+    negate = decide is caches.Reader.decide
+    decided = decisions.append
     group: list[str] = []
     last: list[str] = []
     for x in req.log:
@@ -111,9 +115,11 @@ def replay(req: RequestMarks) -> Replayed:
                 raw = x.get(name)
                 if raw is None:
                     raw = caches.branch_raw(x, name)
-                hit = None if raw is None else decide(raw)
+                    if raw is None:
+                        continue
+                hit = (not raw) if negate else decide(raw)
                 if hit is not None:
-                    decisions.append((step, name, hit))
+                    decided((step, name, hit))
         else:
             marks.append(x)
             if len(group) > branches:
