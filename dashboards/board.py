@@ -239,5 +239,6 @@ class Board:
                             "Shape pools of the service config."),
             self._query_var("shape", "Shape",
                             f"label_values(stepwatch_pipeline_cfg_branches{{{F_INSTANCE}}}, shape)",
-                            "Shape keys HxW[xF]_<steps>s[_cfg] on the serving allowlist (else 'other')."),
+                            "Shape keys WxH[xF]_<steps>s[_cfg] (width first, as the API's size) on the serving "
+                            "allowlist (else 'other')."),
         ]

@@ -61,7 +61,7 @@ def _shapes(n: int) -> list[tuple[int, int]]:
 def _exporter_registry(shapes: int, ranks: int, steps: int = 8) -> CollectorRegistry:
     registry = CollectorRegistry()
     sizes = _shapes(shapes)
-    keys = [f"{h}x{w}_{steps}s_cfg" for h, w in sizes]  # the stub runs 2 CFG branches
+    keys = [f"{w}x{h}_{steps}s_cfg" for h, w in sizes]  # the stub runs 2 CFG branches
     pipe = StubPipeline(branches=2, cache=True)
     inst = instrument(pipe, registry=registry, shapes=keys, max_shapes=len(keys),
                       rank_reporter=_FakeRanks(ranks) if ranks > 1 else None,

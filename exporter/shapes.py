@@ -2,7 +2,8 @@
 
 Label values are bounded: only shapes on the serving allowlist (or, with no
 allowlist, the first ``max_shapes`` seen) become labels; the rest fold into
-``other``.  Format: ``{H}x{W}[x{F}]_{steps}s[_cfg]`` (height first).
+``other``.  Format: ``{W}x{H}[x{F}]_{steps}s[_cfg]``, width first like the API's ``size`` (OpenAI's
+``1024x768`` is 1024 wide), so an alert's label reads as the request that caused it.
 """
 
 from __future__ import annotations
@@ -26,16 +27,15 @@ class ShapeKey:
 
     def __str__(self) -> str:
         f = f"x{self.frames}" if self.frames else ""
-        return f"{self.height}x{self.width}{f}_{self.steps}s" + ("_cfg" if self.cfg else "")
+        return f"{self.width}x{self.height}{f}_{self.steps}s" + ("_cfg" if self.cfg else "")
 
     @classmethod
     def parse(cls, text: str) -> ShapeKey:
         m = _SHAPE_RE.match(text.strip())
         if not m:
-            raise ValueError(
-                f"bad shape key {text!r}: expected HxW[xF]_<steps>s[_cfg], e.g. 1024x1024_4s or 128x128x9_4s_cfg"
-            )
-        h, w, f, s, cfg = m.groups()
+            raise ValueError(f"bad shape key {text!r}: expected WxH[xF]_<steps>s[_cfg] (width first), "
+                             "e.g. 1024x768_4s or 128x128x9_4s_cfg")
+        w, h, f, s, cfg = m.groups()
         return cls(int(h), int(w), int(s), cfg is not None, int(f) if f else None)
 
 

@@ -53,8 +53,8 @@ class GenerationRequest:
 
     @property
     def shape(self) -> str:
-        """The exporter's shape key for this request (height first)."""
-        return f"{self.height}x{self.width}_{self.steps}s" + ("_cfg" if self.cfg else "")
+        """The exporter's shape key for this request (width first, as ``size``)."""
+        return f"{self.width}x{self.height}_{self.steps}s" + ("_cfg" if self.cfg else "")
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value", status: int = 400) -> ApiError:

@@ -113,10 +113,10 @@ class ServiceConfig:
         for p in self.pools:
             for s in p.sizes:
                 w, h = parse_size(s)
-                out += [f"{h}x{w}_{self.default_steps}s", f"{h}x{w}_{self.default_steps}s_cfg"]
+                out += [f"{w}x{h}_{self.default_steps}s", f"{w}x{h}_{self.default_steps}s_cfg"]
         for s in self.warmup:
             w, h = parse_size(s)
-            out += [f"{h}x{w}_{self.warmup_steps}s", f"{h}x{w}_{self.cache_warmup_steps}s"]
+            out += [f"{w}x{h}_{self.warmup_steps}s", f"{w}x{h}_{self.cache_warmup_steps}s"]
         return sorted(set(out))
 
     @property

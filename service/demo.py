@@ -34,7 +34,7 @@ def exporter_demo(sizes: list[tuple[int, int]], *, port: int, steps: int, reques
     print(f"stepwatch demo: /metrics at {url}")
     print("building the practice FLUX pipeline (offline, seed 0)...")
     pipe = build_pipeline("flux", seed=0)
-    inst = instrument(pipe, registry=registry, shapes=[f"{h}x{w}_{steps}s" for w, h in sizes],
+    inst = instrument(pipe, registry=registry, shapes=[f"{w}x{h}_{steps}s" for w, h in sizes],
                       text_tokens=TEXT_TOKENS)
     reports = _generate(pipe, inst, sizes, steps, requests, cache_threshold)
     data = parse_exposition(httpclient.request("GET", url, timeout=10).text)

@@ -123,7 +123,7 @@ class StandIn:
             if self.sigma > 0 and hit and (self.perturb_frames is None or f in self.perturb_frames):
                 img = perturb(img, self.sigma, seed * 1000 + f)
             data.append({"b64_json": "not base64!" if self.garbage else base64.b64encode(png(img)).decode()})
-        shape = f"{h}x{w}" + (f"x{frames}" if frames > 1 else "") + f"_{steps}s"
+        shape = f"{w}x{h}" + (f"x{frames}" if frames > 1 else "") + f"_{steps}s"
         return 200, {"created": int(time.time()), "data": data, "stepwatch": {
             "shape": shape, "pool": "default", "queue_seconds": 0.0, "seconds": self.seconds_per_image,
             "stages": {}, "steps": steps, "cache": {"kind": "none", "hits": 0, "misses": steps},

@@ -14,7 +14,7 @@ from stepwatch.exporter import instrument, patches, uninstrument
 from stepwatch.exporter.bench import StubPipeline
 from stepwatch.exporter.publish import Publisher
 from stepwatch.exporter.request import RequestMarks, ResolveContext, resolve
-from stepwatch.exporter.shapes import ShapeLabeler
+from stepwatch.exporter.shapes import ShapeKey, ShapeLabeler
 from stepwatch.metrics import MetricSet
 from tests.promtext import absent, scrape, value
 
@@ -221,3 +221,17 @@ def test_observe_all_leaves_nan_out_of_the_buckets_as_observe_does() -> None:
         h1.observe(a)
     observe_all(h2, [0.05, float("nan"), 0.5])
     assert value(scrape(one), "y_seconds_count") == value(scrape(batched), "y_seconds_count") == 2
+
+
+def test_shape_keys_are_width_first_like_the_api_size() -> None:
+    """A ``size: "1024x768"`` request (1024 wide, 768 high) is labelled 1024x768, not 768x1024."""
+    key = ShapeKey(height=768, width=1024, steps=8, cfg=True)
+    assert str(key) == "1024x768_8s_cfg"
+    assert ShapeKey.parse("1024x768_8s_cfg") == key
+    assert str(ShapeKey(height=480, width=832, steps=50, cfg=True, frames=81)) == "832x480x81_50s_cfg"
+    pipe = StubPipeline()
+    registry = CollectorRegistry()
+    instrument(pipe, registry=registry, shapes=["1024x768_4s"])
+    pipe("p", height=768, width=1024, num_inference_steps=4)
+    labels = {"shape": "1024x768_4s", "outcome": "ok"}
+    assert registry.get_sample_value("stepwatch_pipeline_requests_total", labels) == 1

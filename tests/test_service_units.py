@@ -101,7 +101,7 @@ def test_good_request_defaults_and_shape() -> None:
     r = api.validate({"prompt": "a cat", "size": "1024x768", "guidance_scale": 3.5, "seed": 7,
                       "model": "ignored", "quality": "hd"}, CFG)
     assert (r.width, r.height, r.steps, r.n, r.seed) == (1024, 768, 8, 1, 7)
-    assert r.shape == "768x1024_8s_cfg" and r.size == "1024x768"
+    assert r.shape == "1024x768_8s_cfg" and r.size == "1024x768"  # width first, as the API's size
     with pytest.raises(api.ApiError) as e:
         api.parse_json(b"{not json")
     assert e.value.status == 400 and e.value.code == "invalid_json"
