@@ -11,6 +11,7 @@ import itertools
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,19 +21,39 @@ from stepwatch.exporter import instrument
 from stepwatch.service.cache import apply_cache
 from stepwatch.service.pipeline import build_pipeline
 
-DEFAULT_CASES = ("256x4", "1024x4")
+
+@dataclass(frozen=True)
+class RealCase:
+    """One row of the real-pipeline table: the tiny FLUX pipeline at a shape and configuration."""
+
+    size: int
+    steps: int
+    cfg: bool = False  # true CFG: a negative prompt and true_cfg_scale 2, two transformer calls per step
+    cache: str = "none"  # the cross-step cache on both variants (threshold 0.5)
+
+    @property
+    def shape(self) -> str:
+        return f"{self.size}x{self.size}_{self.steps}s" + ("_cfg" if self.cfg else "")
 
 
-def _timed_call(pipe: Any, size: int, steps: int, seed: int) -> tuple[float, list[float]]:
+# The smallest and a large shape, a distilled model's serving shape (4 steps, no CFG, 512^2 like
+# FLUX-schnell's cheapest useful size), and FirstBlockCache with true CFG (its readers run every step).
+REAL_CASES = {"small": RealCase(256, 4), "large": RealCase(1024, 4), "few_step": RealCase(512, 4),
+              "fbc_cfg2": RealCase(256, 8, cfg=True, cache="first_block_cache")}
+DEFAULT_CASES = tuple(REAL_CASES)
+
+
+def _timed_call(pipe: Any, case: RealCase, seed: int) -> tuple[float, list[float]]:
     marks: list[float] = []
 
     def on_step(_pipe: Any, _i: int, _t: Any, kw: dict[str, Any]) -> dict[str, Any]:
         marks.append(time.perf_counter())
         return kw
 
+    extra: dict[str, Any] = {"negative_prompt": "w7 w8", "true_cfg_scale": 2.0} if case.cfg else {}
     t0 = time.perf_counter()
-    pipe("w1 w2 w3", height=size, width=size, num_inference_steps=steps, max_sequence_length=32,
-         output_type="np", generator=torch.Generator().manual_seed(seed), callback_on_step_end=on_step)
+    pipe("w1 w2 w3", height=case.size, width=case.size, num_inference_steps=case.steps, max_sequence_length=32,
+         output_type="np", generator=torch.Generator().manual_seed(seed), callback_on_step_end=on_step, **extra)
     total = time.perf_counter() - t0
     steps_s = [b - a for a, b in itertools.pairwise(marks)]
     return total, steps_s
@@ -193,36 +214,40 @@ def stub_case(name: str, calls: int = 6000) -> dict[str, Any]:
             "request_us": round(own, 1), "request_us_per_step": round(own / steps, 2)}
 
 
-def _ci(diffs: list[float], steps: int) -> tuple[float, float]:
-    """95% bootstrap interval of the median paired difference, in us per step."""
+def _ci(values: list[float]) -> tuple[float, float]:
+    """95% bootstrap interval of the median of ``values``."""
     rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(400))
-    return meds[10] / steps * 1e6, meds[389] / steps * 1e6
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(400))
+    return meds[10], meds[389]
 
 
-def run_case(bare: Any, inst_pipe: Any, size: int, steps: int, rounds: int) -> dict[str, Any]:
+def run_case(bare: Any, inst_pipe: Any, case: RealCase, rounds: int) -> dict[str, Any]:
+    steps = case.steps
     for p in (bare, inst_pipe):  # warm both
-        _timed_call(p, size, steps, 0)
+        _timed_call(p, case, 0)
     totals: dict[str, list[float]] = {"bare": [], "inst": []}
     step_s: dict[str, list[float]] = {"bare": [], "inst": []}
     for r in range(rounds):
         order = (("bare", bare), ("inst", inst_pipe)) if r % 2 == 0 else (("inst", inst_pipe), ("bare", bare))
         for name, pipe in order:
-            total, st = _timed_call(pipe, size, steps, r)
+            total, st = _timed_call(pipe, case, r)
             totals[name].append(total)
             step_s[name].extend(st)
     tb, ti = statistics.median(totals["bare"]), statistics.median(totals["inst"])
     # Paired: each round's instrumented call minus its neighbouring bare call cancels drift.
-    diffs = [i - b for i, b in zip(totals["inst"], totals["bare"], strict=True)]
+    pairs = list(zip(totals["inst"], totals["bare"], strict=True))
+    diffs = [i - b for i, b in pairs]
     paired = statistics.median(diffs)
-    lo, hi = _ci(diffs, steps)
+    lo, hi = _ci(diffs)
+    ratio_lo, ratio_hi = _ci([i / b for i, b in pairs])
     return {
-        "shape": f"{size}x{size}_{steps}s",
+        "shape": case.shape,
         "step_ms_bare": round(statistics.median(step_s["bare"]) * 1e3, 4),
         "step_ms_instrumented": round(statistics.median(step_s["inst"]) * 1e3, 4),
         "overhead_us_per_step": round(paired / steps * 1e6, 2),
         "ratio": round(ti / tb, 4),
-        "overhead_us_per_step_ci95": [round(lo, 1), round(hi, 1)],
+        "overhead_us_per_step_ci95": [round(lo / steps * 1e6, 1), round(hi / steps * 1e6, 1)],
+        "ratio_ci95": [round(ratio_lo, 4), round(ratio_hi, 4)],
         "request_ms_bare": round(tb * 1e3, 3),
         "request_ms_instrumented": round(ti * 1e3, 3),
         "rounds": rounds,
@@ -231,20 +256,27 @@ def run_case(bare: Any, inst_pipe: Any, size: int, steps: int, rounds: int) -> d
 
 
 
-def parse_case(case: str) -> tuple[int, int]:
-    """``SIZExSTEPS`` (e.g. ``256x4``) -> (size, steps); ValueError naming the expected form."""
+def parse_case(case: str) -> tuple[str, RealCase]:
+    """A REAL_CASES name, or ``SIZExSTEPS`` (e.g. ``256x4``: plain, no CFG, no cache) -> (name, case);
+    ValueError naming the expected forms."""
+    if case in REAL_CASES:
+        return case, REAL_CASES[case]
     try:
         size_s, steps_s = case.lower().split("x")
-        return int(size_s), int(steps_s)
+        size, steps = int(size_s), int(steps_s)
     except ValueError:
-        raise ValueError(f"bad case {case!r}; expected SIZExSTEPS like 256x4") from None
+        raise ValueError(f"bad case {case!r}; expected one of {', '.join(REAL_CASES)} or SIZExSTEPS like 256x4") \
+            from None
+    if size < 64 or size % 16 or steps < 1:
+        raise ValueError(f"bad case {case!r}: the size must be a multiple of 16 from 64, steps at least 1")
+    return case, RealCase(size, steps)
 
 
 def default_rounds(size: int) -> int:
     return 40 if size < 512 else 24
 
 
-def pipelines(cache: str) -> tuple[Any, Any]:
+def pipelines(cache: str = "none") -> tuple[Any, Any]:
     """Two identical practice pipelines (seed 0), the second instrumented; ``cache`` on both unless "none"."""
     bare = build_pipeline("flux", seed=0)
     inst_pipe = build_pipeline("flux", seed=0)
