@@ -318,8 +318,8 @@ def _similarity_panels(b: Board) -> None:
         {num(qd.threshold)} dB (dashed red). Healthy: above the gate (> 35 dB invisible, 30-35 visible on a
         close look, < 28 obvious). A drop with normal performance panels: deployment fingerprint vs baseline,
         cache hit rate, PSNR by instance.""", "dB",
-        [T(sel(psnr, INST, 'quantile="p10"'), "{{probe_set}} p10 ({{instance_id}})"),
-         T(sel(psnr, INST, 'quantile="p50"'), "{{probe_set}} p50 ({{instance_id}})"),
+        [T(sel(psnr, INST, 'stat="p10"'), "{{probe_set}} p10 ({{instance_id}})"),
+         T(sel(psnr, INST, 'stat="p50"'), "{{probe_set}} p50 ({{instance_id}})"),
          T(gate, "{{probe_set}} gate", "ref"),
          T(f"{gate} - {num(qd.threshold)}", f"{{{{probe_set}}}} alert (gate - {num(qd.threshold)} dB)", "limit")],
         alerts=["quality_drop"])
@@ -328,8 +328,8 @@ def _similarity_panels(b: Board) -> None:
         "Probe SSIM p10 / p50", f"""Structural similarity of the probe images against the baseline. Healthy:
         above {num(ssim_gate)} for images (dashed; video {num(b.th.quality.ssim_gate.get('video', ssim_gate))}).
         """, "none",
-        [T(sel("stepwatch_quality_ssim_ratio", INST, 'quantile=~"p10|p50"'),
-           "{{probe_set}} {{quantile}} ({{instance_id}})")],
+        [T(sel("stepwatch_quality_ssim_ratio", INST, 'stat=~"p10|p50"'),
+           "{{probe_set}} {{stat}} ({{instance_id}})")],
         lines=[(ssim_gate, "orange")], decimals=3)
 
 

@@ -36,7 +36,7 @@ def request_quantile(q: float, window: str) -> str:
 
 def psnr_p10() -> str:
     """The worst probe set's p10 PSNR (dB)."""
-    return agg("min", sel("stepwatch_quality_psnr_decibels", 'quantile="p10"'))
+    return agg("min", sel("stepwatch_quality_psnr_decibels", 'stat="p10"'))
 
 
 def quality_gate() -> str:

@@ -132,7 +132,7 @@ def test_sidecar_process_serves_metrics_and_stops_on_sigterm(standin: StandIn, t
             data = samples(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
             time.sleep(0.1)
         lab = {"probe_set": "tiny", "instance_id": "standin-0"}
-        assert value(data, "stepwatch_quality_psnr_decibels", **lab, quantile="p10") == float("inf")
+        assert value(data, "stepwatch_quality_psnr_decibels", **lab, stat="p10") == float("inf")
         assert value(data, "stepwatch_quality_gate_decibels", probe_set="tiny") == 30.0
         assert not absent(data, "stepwatch_nvml_up")  # 0 here (no NVML), 1 on a GPU node
         # The target dies: the sidecar keeps serving and counts the failure.

@@ -33,7 +33,7 @@ def psnr_series(d: dict[Any, float], probe_set: str = "default") -> dict[tuple[s
     for (name, labels), v in d.items():
         ls = dict(labels)
         if name == "stepwatch_quality_psnr_decibels" and ls["probe_set"] == probe_set:
-            out[(ls["instance_id"], ls["quantile"])] = v
+            out[(ls["instance_id"], ls["stat"])] = v
     return out
 
 
@@ -50,8 +50,8 @@ def test_baseline_then_probe_is_infinite_psnr(standin: StandIn, registry: Collec
     d = scrape(registry)
     lab = {"probe_set": "default", "instance_id": "standin-0"}
     for q in ("p50", "p10", "min"):
-        assert value(d, "stepwatch_quality_psnr_decibels", **lab, quantile=q) == math.inf
-        assert value(d, "stepwatch_quality_ssim_ratio", **lab, quantile=q) == pytest.approx(1.0)
+        assert value(d, "stepwatch_quality_psnr_decibels", **lab, stat=q) == math.inf
+        assert value(d, "stepwatch_quality_ssim_ratio", **lab, stat=q) == pytest.approx(1.0)
     assert value(d, "stepwatch_quality_gate_decibels", probe_set="default") == Q.gate("lossy_ii")
     assert value(d, "stepwatch_quality_baseline_ok", probe_set="default") == 1
     assert value(d, "stepwatch_quality_baseline_stale", probe_set="default") == 0
@@ -84,11 +84,11 @@ def test_perturbation_drops_p10_below_gate_and_recovers(standin: StandIn, regist
     assert res.psnr["p10"] < alert_below and res.psnr["min"] < alert_below
     assert sum(1 for i in res.scored if i.psnr != math.inf) == 4
     d = scrape(registry)
-    p10 = value(d, "stepwatch_quality_psnr_decibels", probe_set="default", instance_id="standin-0", quantile="p10")
+    p10 = value(d, "stepwatch_quality_psnr_decibels", probe_set="default", instance_id="standin-0", stat="p10")
     gate = value(d, "stepwatch_quality_gate_decibels", probe_set="default")
     assert p10 < gate - Q.alert_margin_db  # exactly the QualityDrop expression
     assert value(d, "stepwatch_quality_ssim_ratio", probe_set="default", instance_id="standin-0",
-                 quantile="p10") < Q.ssim_gate["image"]
+                 stat="p10") < Q.ssim_gate["image"]
     assert any("BELOW the quality gate" in r.getMessage() for r in caplog.records)
     # Restore: recovers.
     standin.sigma, standin.perturb_prompts = 0.0, None
@@ -96,7 +96,7 @@ def test_perturbation_drops_p10_below_gate_and_recovers(standin: StandIn, regist
     assert res.psnr["p10"] == math.inf and not res.below_alert
     d = scrape(registry)
     assert value(d, "stepwatch_quality_psnr_decibels", probe_set="default", instance_id="standin-0",
-                 quantile="p10") == math.inf
+                 stat="p10") == math.inf
     assert value(d, "stepwatch_quality_probe_runs_total", probe_set="default") == 3
 
 
@@ -141,7 +141,7 @@ def test_target_down_counts_failures_and_survives(standin: StandIn, registry: Co
     assert value(d, "stepwatch_quality_probe_runs_total", probe_set="default") == 1
     # The last measured values stay (their age shows in last_success); the log says it once.
     assert value(d, "stepwatch_quality_psnr_decibels", probe_set="default", instance_id="standin-0",
-                 quantile="p10") == math.inf
+                 stat="p10") == math.inf
     assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
 
 

@@ -52,7 +52,7 @@ def test_baseline_degrades_past_the_gate_and_recovers(svc: ServiceProc, tmp_path
         d = scrape(registry)
         inst = res.per_instance and next(iter(res.per_instance))
         assert value(d, "stepwatch_quality_psnr_decibels", probe_set="default", instance_id=str(inst),
-                     quantile="p10") == pytest.approx(res.psnr["p10"])
+                     stat="p10") == pytest.approx(res.psnr["p10"])
         assert value(d, "stepwatch_quality_gate_decibels", probe_set="default") == gate
         assert value(d, "stepwatch_quality_baseline_stale", probe_set="default") == 0
         # Restore: it recovers.

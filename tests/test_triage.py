@@ -142,7 +142,7 @@ def test_ranking_weighs_checks_for_and_against() -> None:
         (r"baseline_stale", 0.0), (r"max\(stepwatch_quality_psnr_decibels.*- min", 0.4),
         (r"hit_ratio_rate1m", 2.1), (r"histogram_quantile", 0.6), (r"count_over_time", 2.0),
         (r'decision="hit"', 3.0)]
-    qd = _alert("quality_drop", instance="127.0.0.1:9465", probe_set="default", instance_id="svc", quantile="p10")
+    qd = _alert("quality_drop", instance="127.0.0.1:9465", probe_set="default", instance_id="svc", stat="p10")
     report = triage([qd], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].diagnoses[0]
     assert d.cause == "cache_threshold_too_high" and d.confidence == "high"
@@ -164,7 +164,7 @@ def test_no_data_is_not_evidence() -> None:
     d = triage([rec], StubProm(rules), thresholds=TH).incidents[0].diagnoses[0]
     # warmed_up says "empty: healthy": a shape never compiled in warm-up is the usual case.
     assert d.cause == "recompile_unwarmed_shape" and d.checks[0].outcome == "healthy"
-    qd = _alert("quality_drop", instance="h:1", probe_set="default", instance_id="x", quantile="p10")
+    qd = _alert("quality_drop", instance="h:1", probe_set="default", instance_id="x", stat="p10")
     d = triage([qd], StubProm([]), thresholds=TH).incidents[0].diagnoses[0]
     assert d.cause is None and d.flow_end == "end" and d.confidence == "none"
     assert all(not c.support for c in d.candidates)

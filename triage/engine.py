@@ -81,7 +81,7 @@ class Alert:
 
     def short(self) -> str:
         """``Name{the labels that say where}`` for one line of a report."""
-        skip = {"alertname", "severity", "subsystem", "profile", "job", "quantile"}
+        skip = {"alertname", "severity", "subsystem", "profile", "job", "stat"}
         parts = [f"{k}={v}" for k, v in sorted(self.labels.items()) if k not in skip and v]
         return f"{self.name}{{{', '.join(parts)}}}" if parts else self.name
 

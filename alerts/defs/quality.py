@@ -25,7 +25,7 @@ SUBSYSTEM = "quality"
 # ----- quality drop ---------------------------------------------------------------------------
 
 def _quality_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
-    return ('  stepwatch_quality_psnr_decibels{quantile="p10"}\n'
+    return ('  stepwatch_quality_psnr_decibels{stat="p10"}\n'
             "< on (job, instance, probe_set) group_left ()\n"
             f"  (stepwatch_quality_gate_decibels - {num(spec.threshold)})")
 
@@ -40,8 +40,8 @@ def _quality_cases(p: Timing) -> list[Case]:
     vals = {("svc-a", "p10"): gate - p.T + 0.1, ("svc-b", "p10"): gate - p.T - 0.1, ("svc-b", "p50"): gate - p.T - 1}
     for (iid, q), v in vals.items():
         values = born(kb, round(v, 6), n) if (iid, q) == ("svc-b", "p10") else const(round(v, 6), n)
-        series.append(Series("stepwatch_quality_psnr_decibels", {**sc, "instance_id": iid, "quantile": q}, values))
-    low = {**sc, "instance_id": "svc-b", "quantile": "p10"}
+        series.append(Series("stepwatch_quality_psnr_decibels", {**sc, "instance_id": iid, "stat": q}, values))
+    low = {**sc, "instance_id": "svc-b", "stat": "p10"}
     return [Case(p.spec.key, "p10 just above gate - margin is silent; just below fires once its probe result "
                  "arrives; p50 is not read", series,
                  [Expect(fire - p.e, [], "only the result just above the line yet"),
@@ -120,7 +120,7 @@ def _stale_cases(p: Timing) -> list[Case]:
 
 
 ALERTS = (
-    AlertDef("quality_drop", _quality_expr, ("instance", "probe_set", "instance_id", "quantile"), _quality_cases),
+    AlertDef("quality_drop", _quality_expr, ("instance", "probe_set", "instance_id", "stat"), _quality_cases),
     AlertDef("probe_failing", _probe_expr, ("instance", "probe_set", "reason"), _probe_cases),
     AlertDef("baseline_stale", _stale_expr, ("instance", "probe_set"), _stale_cases),
 )

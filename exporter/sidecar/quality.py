@@ -15,6 +15,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 MAX_8BIT = 255.0
+# (value of the `stat` label, q): the label is not `quantile`, which Prometheus reserves for summaries.
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.5), ("p10", 0.1), ("min", 0.0))
 
 
@@ -97,5 +98,5 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
-    """{p50, p10, min} over a probe set (the quantiles the alert and dashboards read)."""
+    """{p50, p10, min} over a probe set (the values of the `stat` label the alert and dashboards read)."""
     return {name: quantile(values, q) for name, q in QUANTILES}
