@@ -205,16 +205,18 @@ def cache_row(b: Board) -> None:
         alerts=["cache_hit_rate_shift"], min_=0, max_=1)
     late = diagnosis(b.th, "late_hit_position")
     late_text = f"Hits past {pct(late)} blur details." if late is not None else "Late hits blur details."
-    pos = sel("stepwatch_cache_hit_position_ratio_bucket", INST, F_SHAPE)
+    pos = sel("stepwatch_cache_hit_position_ratio_bucket", INST)  # all shapes: no shape label (budget)
     b.heatmap(
         "Cache hit positions (step / steps)", f"""Where in the denoising trajectory cache hits land (0 = first
-        step, 1 = last), hits per interval. Healthy: in the middle; first and last steps are always computed.
-        {late_text}""", "percentunit",
+        step, 1 = last), hits per interval, all shapes together. Healthy: in the middle; first and last steps
+        are always computed. {late_text}""", "percentunit",
         T(sum_increase(pos, RATE, "le"), "{{le}}", heatmap=True), alerts=["cache_hit_rate_shift"])
     b.timeseries(
-        "Late cache hits: p90 hit position, by shape", f"""90th percentile of where hits land in the trajectory.
-        Healthy: in the middle of the trajectory; late hits blur details (threshold too high). {late_text}""",
-        "percentunit", [T(quantile(0.9, pos, RATE, "job, instance, shape"), "{{shape}} @ {{instance}}")],
+        "Late cache hits: p90 hit position, by instance", f"""90th percentile of where hits land in the
+        trajectory, all shapes of an instance together (the histogram has no shape label: a per-shape layout
+        would cost 13 series per shape). Healthy: in the middle of the trajectory; late hits blur details
+        (threshold too high). {late_text}""",
+        "percentunit", [T(quantile(0.9, pos, RATE, "job, instance"), "{{instance}}")],
         lines=[(late, "orange")] if late is not None else [], min_=0, max_=1, span=24, height=6)
 
 

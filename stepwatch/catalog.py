@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-Kind = Literal["counter", "gauge", "histogram", "info"]
+Kind = Literal["counter", "gauge", "histogram", "summary", "info"]
 Owner = Literal["exporter", "service", "sidecar"]
 
 # 0.5 ms .. 300 s: resolves 5 ms steps on a GPU and 60 s+ compiles in one family.
@@ -44,6 +44,8 @@ class MetricDef:
         """Names that appear in an exposition for this metric."""
         if self.kind == "histogram":
             return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        if self.kind == "summary":
+            return (f"{self.name}_sum", f"{self.name}_count")
         if self.kind == "info":
             return (f"{self.name}_info",)
         return (self.name,)
@@ -58,24 +60,28 @@ METRICS: tuple[MetricDef, ...] = (
     # --- in-process exporter: one pipeline call = one request -------------------------------
     _m("stepwatch_pipeline_requests_total", "counter",
        "Pipeline calls by outcome (ok, error, oom).", ("shape", "outcome")),
-    _m("stepwatch_pipeline_request_duration_seconds", "histogram",
-       "Wall time of a pipeline call, device-accurate on CUDA.", ("shape",), buckets=DURATION_BUCKETS),
-    _m("stepwatch_pipeline_stage_duration_seconds", "histogram",
-       "Time per stage: text_encode, denoise, vae_decode.", ("shape", "stage"), buckets=DURATION_BUCKETS),
-    _m("stepwatch_pipeline_step_duration_seconds", "histogram",
-       "Time of one denoising step, all CFG branches together.", ("shape",), buckets=DURATION_BUCKETS),
+    # Per-shape times are summaries (sum and count, no quantiles): what the rules and the board read is the
+    # mean per shape; a bucket layout per shape would cost ~30 series each (docs/contracts.md, budget).
+    _m("stepwatch_pipeline_request_duration_seconds", "summary",
+       "Wall time of a pipeline call, device-accurate on CUDA.", ("shape",)),
+    _m("stepwatch_pipeline_stage_duration_seconds", "summary",
+       "Time per stage: text_encode, denoise, vae_decode.", ("shape", "stage")),
+    _m("stepwatch_pipeline_step_duration_seconds", "summary",
+       "Time of one denoising step, all CFG branches together.", ("shape",)),
     _m("stepwatch_pipeline_cfg_branches", "gauge",
-       "Transformer calls per step in the last request of the shape (2 with CFG).", ("shape",)),
+       "CFG branches per step in the last request of the shape: 2 with CFG, as separate transformer calls or "
+       "one call on a doubled batch.", ("shape",)),
     _m("stepwatch_cache_decisions_total", "counter",
        "Cross-step cache decisions per transformer call: hit reuses the cached residual, miss recomputes.",
        ("shape", "cache", "decision")),
     _m("stepwatch_cache_hit_position_ratio", "histogram",
-       "Where in the trajectory cache hits land: step index / steps.", ("shape",), buckets=POSITION_BUCKETS),
+       "Where in the trajectory cache hits land: step index / steps (all shapes together).", (),
+       buckets=POSITION_BUCKETS),
     _m("stepwatch_compile_total", "counter",
        "torch.compile (Dynamo) compilations, by the shape that triggered them and the phase.",
        ("shape", "phase")),
-    _m("stepwatch_compile_duration_seconds", "histogram",
-       "Duration of one torch.compile compilation.", ("shape", "phase"), buckets=DURATION_BUCKETS),
+    _m("stepwatch_compile_duration_seconds", "summary",
+       "Duration of one torch.compile compilation.", ("shape", "phase")),
     _m("stepwatch_memory_peak_bytes", "gauge",
        "Peak memory of the last request per stage (and stage=request); on OOM, the demand that failed.",
        ("device", "stage")),
@@ -188,7 +194,7 @@ def validate() -> None:
             raise ValueError(f"counter {m.name} must end in _total")
         if m.kind != "counter" and m.name.endswith("_total"):
             raise ValueError(f"{m.kind} {m.name} must not end in _total")
-        if m.kind in ("counter", "gauge", "histogram") and not m.name.endswith(_UNITS):
+        if m.kind in ("counter", "gauge", "histogram", "summary") and not m.name.endswith(_UNITS):
             raise ValueError(f"metric {m.name} has no unit suffix")
         if m.kind == "histogram" and not m.buckets:
             raise ValueError(f"histogram {m.name} needs buckets")
