@@ -11,9 +11,10 @@ a baseline for each, and gathered ``ranks`` ranks per request.  Only rank 0 serv
 only the per-rank series.  The sidecar case is the NVML collector over 8 GPUs (a table
 provider: the hardware this machine lacks) plus one probe set's quality metrics.
 
-A render is what the ``/metrics`` handlers do: ``generate_latest`` of each registry (the
-service's and the worker's exporter's; in the service the latter arrives over one
-loopback HTTP request, not counted here).  ``_created`` series are off, as in the service.
+A render is what the ``/metrics`` handlers do: ``stepwatch.exposition.Renderer`` of each
+registry (the service's and the worker's exporter's; in the service the latter arrives over
+one loopback HTTP request, not counted here); the first, which fills its caches, is untimed.
+``_created`` series are off, as in the service.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from stepwatch.catalog import METRICS
 from stepwatch.exporter import instrument
@@ -31,6 +32,7 @@ from stepwatch.exporter.bench import StubPipeline
 from stepwatch.exporter.ranks import publish_ranks
 from stepwatch.exporter.sidecar.nvml import NvmlCollector
 from stepwatch.exporter.sidecar.prober import quality_metrics
+from stepwatch.exposition import Renderer
 
 RENDERS = 50
 SERVICE_CASES = ((1, 1), (16, 1), (50, 1), (1, 8), (16, 8), (50, 8))
@@ -168,15 +170,14 @@ def measure(render: Callable[[], bytes], renders: int = RENDERS) -> dict[str, An
 
 
 def service_case(shapes: int, ranks: int, renders: int = RENDERS) -> dict[str, Any]:
-    service, exporter = _service_registry(), _exporter_registry(shapes, ranks)
-    out = measure(lambda: generate_latest(service) + generate_latest(exporter), renders)
+    service, exporter = Renderer(_service_registry()), Renderer(_exporter_registry(shapes, ranks))
+    out = measure(lambda: service.render() + exporter.render(), renders)
     return {"target": "service", "shapes": shapes, "ranks": ranks} | out
 
 
 def sidecar_case(gpus: int = SIDECAR_GPUS, renders: int = RENDERS) -> dict[str, Any]:
-    registry = _sidecar_registry(gpus)
-    return {"target": "sidecar", "shapes": 0, "ranks": 0, "gpus": gpus} | measure(lambda: generate_latest(registry),
-                                                                                 renders)
+    renderer = Renderer(_sidecar_registry(gpus))
+    return {"target": "sidecar", "shapes": 0, "ranks": 0, "gpus": gpus} | measure(renderer.render, renders)
 
 
 def run_all(service_cases: tuple[tuple[int, int], ...] = SERVICE_CASES, renders: int = RENDERS,

@@ -51,13 +51,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from stepwatch.exposition import CONTENT_TYPE
 from stepwatch.service import api
 from stepwatch.service.engine import Admission, Answer, Service
 from stepwatch.service.messages import Reply
 
 log = logging.getLogger("stepwatch.service")
 T = TypeVar("T")
-METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")  # the last: an IPv4 client of a dual-stack "::" socket
 CLIENT_TIMEOUT = 60.0  # seconds a client may stall sending a request head or body
 
@@ -258,7 +258,7 @@ async def readyz(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     # On threads of its own (it asks the worker's exporter over HTTP): never behind /info or generations.
     text = await anyio.to_thread.run_sync(_service(request).metrics_text, limiter=request.app.state.metrics_limiter)
-    return Response(text, media_type=METRICS_TYPE)
+    return Response(text, media_type=CONTENT_TYPE)
 
 
 @router.get("/v1/stepwatch/info")

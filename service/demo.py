@@ -12,11 +12,11 @@ import time
 from typing import Any
 
 import torch
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from stepwatch import httpclient
 from stepwatch.exporter import instrument
-from stepwatch.exposition import parse_exposition
+from stepwatch.exposition import parse_exposition, serve_metrics
 from stepwatch.service.cache import apply_cache
 from stepwatch.service.pipeline import build_pipeline
 
@@ -29,7 +29,7 @@ def exporter_demo(sizes: list[tuple[int, int]], *, port: int, steps: int, reques
                   hold: float) -> int:
     """Generate ``requests`` images per (width, height), serve /metrics on ``port``, print the summary."""
     registry = CollectorRegistry()
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    server, _thread = serve_metrics(port, "127.0.0.1", registry)
     url = f"http://127.0.0.1:{server.server_port}/metrics"
     print(f"stepwatch demo: /metrics at {url}")
     print("building the practice FLUX pipeline (offline, seed 0)...")

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from stepwatch import httpclient
+from stepwatch.exposition import Renderer
 from stepwatch.metrics import MetricSet
 from stepwatch.service import api, knobs
 from stepwatch.service.config import PoolConfig, ServiceConfig, parse_size
@@ -67,6 +68,7 @@ class Service:
         self.cfg = cfg
         self.registry = registry or CollectorRegistry()
         self.m = MetricSet(self.registry, "service")
+        self._renderer = Renderer(self.registry)
         self.instance_id = cfg.instance_id or f"{socket.gethostname()}:{cfg.port}"
         self.predictor = Predictor()
         self.scheduler = Scheduler(cfg.all_pools(), self.predictor, cfg.queue.policy, cfg.queue.aging,
@@ -373,7 +375,7 @@ class Service:
     def metrics_text(self) -> bytes:
         """The service's metrics, then the worker's exporter metrics (absent while it restarts)."""
         self._update_gauges()
-        text = generate_latest(self.registry)
+        text = self._renderer.render()
         info = self.worker.ready_info
         if info and info.get("metrics_port"):
             try:

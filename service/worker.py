@@ -29,12 +29,13 @@ import torch._dynamo
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
 from PIL import Image
-from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from torch._dynamo.callback import callback_handler
 
 from stepwatch.exporter import instrument
 from stepwatch.exporter.memory import _status, is_oom
 from stepwatch.exporter.ranks import RankReporter
+from stepwatch.exposition import serve_metrics
 from stepwatch.service import knobs as knob_rules
 from stepwatch.service.api import GenerationRequest
 from stepwatch.service.cache import apply_cache, current
@@ -126,7 +127,7 @@ class Worker:
         self.inst = instrument(self.pipe, registry=registry, shapes=cfg.serving_shapes(), text_tokens=cfg.text_tokens,
                                baselines=cfg.baselines, rank_reporter=RankReporter() if self.world > 1 else None)
         if self.rank == 0:
-            server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+            server, _ = serve_metrics(0, "127.0.0.1", registry)
             self.metrics_port = server.server_port
         self.apply_knobs({"cache": cfg.cache.kind, "cache_threshold": cfg.cache.threshold,
                           "vae_tiling": cfg.vae_tiling, "compile": cfg.compile.enabled}, warm=False)

@@ -16,12 +16,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.exporter.sidecar.config import SidecarConfig
 from stepwatch.exporter.sidecar.nvml import NvmlCollector
 from stepwatch.exporter.sidecar.prober import Prober
+from stepwatch.exposition import serve_metrics
 
 log = logging.getLogger("stepwatch.sidecar")
 
@@ -90,7 +91,7 @@ def serve(cfg: SidecarConfig, thresholds: Thresholds, host: str, port: int,
     collector, nvml_state = _collector(registry) if cfg.nvml else (None, "off")
     prober = _prober(cfg, registry, thresholds) if cfg.prober else None
     try:
-        server, _ = start_http_server(port, host, registry)
+        server, _ = serve_metrics(port, host, registry)
     except OSError as e:
         print(f"stepwatch sidecar: cannot listen on {host}:{port}: {e}", file=sys.stderr)
         return 1
