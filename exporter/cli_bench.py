@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                             for k, c in bench.REAL_CASES.items())
                    + "; or SIZExSTEPS for a plain square case (default: all named cases)")
     p.add_argument("--rounds", type=int, default=0,
-                   help="interleaved rounds per case (default: 40 below 512^2, else 24)")
+                   help="interleaved rounds per case (default: 160 up to 256^2, 48 up to 512^2, else 24)")
     p.add_argument("--hooks-only", action="store_true",
                    help="only the stub pipeline's row: the hooks' own host cost, no model (quick)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
