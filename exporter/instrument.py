@@ -117,6 +117,20 @@ def _cuda_peak_flops(device: str) -> float | None:
     return ledger.peak_flops_for(torch.cuda.get_device_name(int(device.split(":")[1])))
 
 
+class _Unresolved:
+    """What the rank gather is given for a request that could not be resolved: no steps."""
+
+    __slots__ = ()
+    step_seconds: tuple[float, ...] = ()
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return {}
+
+
+_UNRESOLVED = _Unresolved()
+
+
 class Instrumentation:
     """The handle instrument() returns; also reachable as ``pipe._stepwatch``."""
 
@@ -348,6 +362,10 @@ class Instrumentation:
             r = resolve(req, phase, self._resolve_ctx)
         except Exception as e:
             self._guard.fail("resolve", e)
+            if self.options.rank_reporter is not None:
+                # The rank gather is a collective: a rank that skipped it would leave the others waiting in
+                # it, so a request this rank cannot resolve still joins, with no steps (nothing published).
+                self._guarded("ranks", self.options.rank_reporter.report, _UNRESOLVED, self.metrics)
             return
         report = self.last_report = r.report
         self._guarded("emit.metrics", self.publisher.publish, report)

@@ -5,6 +5,7 @@ No model and no torch pipeline: plain objects, float clock marks and a fresh reg
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -235,3 +236,28 @@ def test_shape_keys_are_width_first_like_the_api_size() -> None:
     pipe("p", height=768, width=1024, num_inference_steps=4)
     labels = {"shape": "1024x768_4s", "outcome": "ok"}
     assert registry.get_sample_value("stepwatch_pipeline_requests_total", labels) == 1
+
+
+class _RecordingRanks:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def report(self, report: Any, _metrics: Any) -> None:
+        self.steps.append(len(report.step_seconds))
+
+
+def test_a_request_that_cannot_be_resolved_still_joins_the_rank_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gather is a collective: a rank skipping it would leave the other ranks waiting in it forever."""
+    instrument_module = importlib.import_module("stepwatch.exporter.instrument")  # the package exports the function
+
+    def broken(*_args: Any) -> Any:
+        raise RuntimeError("resolve broke")
+
+    ranks = _RecordingRanks()
+    pipe, registry = StubPipeline(), CollectorRegistry()
+    instrument(pipe, registry=registry, rank_reporter=ranks)
+    pipe("p", num_inference_steps=3)
+    monkeypatch.setattr(instrument_module, "resolve", broken)
+    pipe("p", num_inference_steps=3)
+    assert ranks.steps == [3, 0]
+    assert registry.get_sample_value("stepwatch_exporter_errors_total", {"component": "resolve"}) == 1
