@@ -6,6 +6,15 @@ error in the final image.  diffusers' FirstBlockCache does not protect the last
 step, so ``apply_cache`` adds that guard around the hook's own decision.
 Changing only the threshold of the active cache edits it in place: the blocks'
 forward is untouched, so a compiled transformer is not recompiled.
+
+With context parallelism (``ranks`` > 1) diffusers' FirstBlockCache decides on each
+rank's own shard of the first block's residual, and nothing makes the ranks agree: one
+rank can skip the remaining blocks while another computes them, and the one computing
+then waits forever in an attention all-to-all the other never enters (the two-rank
+deadlock; reproduced in tests/test_service_ranks.py).  So with more than one rank the
+guard also makes the decision collective: the remaining blocks are computed when any
+rank wants them (one all-reduce of one integer per step, on every rank).  MagCache
+(with calibrated ratios) and TaylorSeer decide from the step index alone, so ranks agree.
 """
 
 from __future__ import annotations
@@ -17,12 +26,14 @@ _FBC_LEADER = "fbc_leader_block_hook"
 
 
 class _LastStepGuard:
-    """Wraps FBCHeadBlockHook._should_compute_remaining_blocks: compute the final step."""
+    """Wraps FBCHeadBlockHook._should_compute_remaining_blocks: compute the final step, and with ``sync``
+    compute whenever any rank would."""
 
-    def __init__(self, hook: Any, scheduler: Any) -> None:
+    def __init__(self, hook: Any, scheduler: Any, sync: bool = False) -> None:
         self._hook = hook
         self._orig = hook._should_compute_remaining_blocks
         self._scheduler = scheduler
+        self._sync = sync
 
     def _decide(self, residual: Any) -> bool:
         state = self._hook.state_manager.get_state()
@@ -31,13 +42,30 @@ class _LastStepGuard:
         ts = getattr(self._scheduler, "timesteps", None)
         steps = len(ts) if ts is not None else 0
         if steps and calls >= steps:
-            return True
-        return bool(self._orig(residual))
+            return True  # every rank reaches its last step at the same call: no agreement needed
+        compute = bool(self._orig(residual))
+        return _any_rank(compute, residual.device) if self._sync else compute
 
     def install(self) -> None:
         import torch  # here: the HTTP process imports this module (for KINDS) and must not load torch
 
         self._hook._should_compute_remaining_blocks = torch.compiler.disable(self._decide)
+
+
+def _any_rank(flag: bool, device: Any) -> bool:
+    """True on every rank when it is True on any: one all-reduce (MAX) of one integer."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _leader(transformer: Any, name: str) -> Any:
@@ -86,7 +114,7 @@ def apply_cache(pipe: Any, kind: str, threshold: float | None = None, steps: int
         tr.enable_cache(FirstBlockCacheConfig(threshold=0.05 if threshold is None else float(threshold)))
         hook = _leader(tr, _FBC_LEADER)
         if hook is not None:
-            _LastStepGuard(hook, pipe.scheduler).install()
+            _LastStepGuard(hook, pipe.scheduler, sync=_world_size() > 1).install()
     elif kind == "mag_cache":
         tr.enable_cache(MagCacheConfig(threshold=0.06 if threshold is None else float(threshold),
                                        num_inference_steps=steps, mag_ratios=FLUX_MAG_RATIOS,

@@ -1,0 +1,76 @@
+"""Two ranks with FirstBlockCache: every rank takes the same path, so none waits in a collective alone.
+
+diffusers' FirstBlockCache decides on each rank's shard of the first block's residual; without the
+practice service's agreement (service/cache.py) the fifth request of this traffic (256^2, seed 4)
+has rank 0 and rank 1 disagree at step 3, and the rank that computes waits in an attention all-to-all
+until gloo's timeout: the two-rank deadlock.  With it, both ranks see the same decisions, the cache
+still hits, and the exporter's per-request rank gather completes on every request.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.heavy
+
+PROMPTS = ("a red fox in snow", "city at night", "a bowl of fruit", "mountain lake", "portrait of a cat")
+REQUESTS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+    from prometheus_client import CollectorRegistry
+
+    from stepwatch.exporter import instrument
+    from stepwatch.exporter.ranks import RankReporter
+    from stepwatch.service.cache import apply_cache
+    from stepwatch.service.pipeline import build_pipeline, prompt_words
+
+    torch.set_num_threads(1)
+    torch.accelerator.device_count = lambda: 1  # type: ignore[method-assign]  # CPU ranks, as service/ranks.py
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    pipe = build_pipeline("flux", seed=0)
+    pipe.transformer.set_attention_backend("native")
+    pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    apply_cache(pipe, "first_block_cache", 0.7)
+    inst = instrument(pipe, registry=CollectorRegistry(), rank_reporter=RankReporter())
+    decisions: list[list[tuple[int, str, bool]]] = []
+    for i in range(REQUESTS):
+        size = (256, 512)[i % 2]
+        pipe(prompt_words(PROMPTS[i % len(PROMPTS)]), height=size, width=size, num_inference_steps=8,
+             max_sequence_length=32, output_type="np", generator=torch.Generator().manual_seed(i))
+        decisions.append(list(inst.last_report.cache_decisions))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, decisions)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"decisions": gathered, "rank_seconds": inst.last_report.extra.get(
+            "rank_step_seconds")}))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_agree_on_every_cache_decision_and_never_hang(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "ranks.json"
+    mp.spawn(_rank, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    rank0, rank1 = result["decisions"]
+    assert len(rank0) == len(rank1) == REQUESTS  # every request ended on both ranks
+    assert rank0 == rank1  # same step, branch and hit everywhere
+    assert sum(hit for req in rank0 for _step, _branch, hit in req) > 0  # the cache still hits
+    assert len(result["rank_seconds"]) == 2  # the exporter's per-request gather completed
