@@ -10,7 +10,11 @@ still hits, and the exporter's per-request rank gather completes on every reques
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ pytestmark = pytest.mark.heavy
 
 PROMPTS = ("a red fox in snow", "city at night", "a bowl of fruit", "mountain lake", "portrait of a cat")
 REQUESTS = 8
+DURATION_S = 300
 
 
 def _free_port() -> int:
@@ -74,3 +79,41 @@ def test_two_ranks_agree_on_every_cache_decision_and_never_hang(tmp_path: Path) 
     assert rank0 == rank1  # same step, branch and hit everywhere
     assert sum(hit for req in rank0 for _step, _branch, hit in req) > 0  # the cache still hits
     assert len(result["rank_seconds"]) == 2  # the exporter's per-request gather completed
+
+
+NEIGHBOUR = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
+
+
+def _neighbours(cpus: list[int]) -> list[subprocess.Popen[bytes]]:
+    """CPU-bound processes pinned beside the ranks: the straggler the seeds describe (another process)."""
+    return [subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(cpu)]) for cpu in cpus]
+
+
+def test_two_rank_service_with_a_cpu_bound_neighbour_answers_every_request_for_five_minutes(tmp_path: Path) -> None:
+    """The operator's report: two ranks, FirstBlockCache on, CPU-bound processes beside a rank, traffic;
+    the service hung after ~100 s.  Here every request of five minutes of that traffic must be answered."""
+    from tests.servicefixture import ServiceProc
+
+    cpus = sorted(os.sched_getaffinity(0))
+    svc = ServiceProc(tmp_path, {"ranks": 2, "compile": {"enabled": False}, "warmup": ["256x256", "512x512"],
+                                 "default_steps": 8, "cache": {"kind": "first_block_cache", "threshold": 0.7},
+                                 "pools": {"small": {"sizes": ["256x256", "512x512"], "slo_seconds": 30}},
+                                 "request_timeout_seconds": 120})
+    neighbours = _neighbours(cpus[-1:])
+    codes: list[int] = []
+    try:
+        end = time.time() + DURATION_S
+        i = 0
+        while time.time() < end:
+            size = ("256x256", "512x512")[i % 2]
+            request = {"prompt": PROMPTS[i % len(PROMPTS)], "size": size, "seed": i, "steps": 8}
+            code, body, _ = svc.request("POST", "/v1/images/generations", request, timeout=150)
+            assert code == 200, f"request {i} ({size}, seed {i}): {code} {body}\n{svc.log()}"
+            codes.append(code)
+            i += 1
+    finally:
+        for p in neighbours:
+            p.kill()
+            p.wait()
+        svc.close()
+    assert len(codes) >= 20, f"only {len(codes)} requests in {DURATION_S} s"
