@@ -6,8 +6,12 @@ so drift (thermal, caches, other load) hits both alike.  Per case it reports
 the median per-step time of each variant (a step timed by the same
 ``callback_on_step_end`` in both) and the overhead per step from the median of
 paired whole-request differences (each instrumented call against the bare
-call next to it), so per-request bookkeeping is counted too.  ``--hooks-only``
-measures just the hooks' own cost on a stub pipeline with no compute (seconds).
+call next to it), so per-request bookkeeping is counted too, and the ratio as
+the median of the paired instrumented/bare request times, each with a bootstrap
+95% interval.  The named cases are the smallest and a large shape, a distilled
+model's few-step shape and FirstBlockCache with true CFG.  ``--hooks-only``
+measures just the hooks' own cost on a stub pipeline with no compute (seconds):
+per extra step (``hooks_per_step_us``) and once per request, per configuration.
 """
 
 from __future__ import annotations
