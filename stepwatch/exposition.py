@@ -11,6 +11,7 @@ prometheus_client's ``start_http_server``, which renders with generate_latest.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -148,10 +149,15 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
 
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
 def serve_metrics(port: int, addr: str, registry: Any) -> tuple[ThreadingHTTPServer, threading.Thread]:
-    """``registry`` on http://addr:port/metrics from a daemon thread (port 0: any free port), rendered by
-    a ``Renderer``; returns (server, thread) like prometheus_client's start_http_server."""
-    server = _Server((addr, port), _handler(Renderer(registry)))
+    """``registry`` on http://addr:port/metrics from a daemon thread (port 0: any free port; an IPv6 ``addr``
+    such as ``::`` works too), rendered by a ``Renderer``; returns (server, thread) like prometheus_client's
+    start_http_server."""
+    server = (_Server6 if ":" in addr else _Server)((addr, port), _handler(Renderer(registry)))
     thread = threading.Thread(target=server.serve_forever, daemon=True, name="stepwatch-metrics")
     thread.start()
     return server, thread

@@ -121,3 +121,22 @@ def test_a_broken_collector_gets_a_500_and_the_server_keeps_serving(served: tupl
     assert r.status_code == 500 and "collector on fire" in r.text
     reg.unregister(broken)
     assert httpx.get(f"{url}/metrics", timeout=5).status_code == 200
+
+
+def test_serves_on_ipv6_loopback_too() -> None:
+    import socket
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    reg = _odd_registry()
+    try:
+        server, thread = serve_metrics(0, "::1", reg)
+    except OSError as e:  # IPv6 compiled in but no ::1 configured
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    try:
+        r = httpx.get(f"http://[::1]:{server.server_port}/metrics", timeout=5)
+        assert r.status_code == 200 and r.content == generate_latest(reg)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
