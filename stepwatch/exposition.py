@@ -10,6 +10,7 @@ prometheus_client's ``start_http_server``, which renders with generate_latest.
 
 from __future__ import annotations
 
+import gzip
 import logging
 import socket
 import threading
@@ -130,11 +131,16 @@ def _handler(renderer: Renderer) -> type[BaseHTTPRequestHandler]:
                 log.exception("rendering /metrics failed")
                 self._answer(500, f"rendering /metrics failed: {e!r}\n".encode(), "text/plain; charset=utf-8")
                 return
-            self._answer(200, body, CONTENT_TYPE)
+            gzipped = "gzip" in self.headers.get("Accept-Encoding", "")
+            # Level 1: a tenth of the bytes (as Prometheus asks for gzip) for ~0.3 ms at 50 shapes x 8 ranks.
+            self._answer(200, gzip.compress(body, compresslevel=1) if gzipped else body, CONTENT_TYPE,
+                         "gzip" if gzipped else None)
 
-        def _answer(self, code: int, body: bytes, ctype: str) -> None:
+        def _answer(self, code: int, body: bytes, ctype: str, encoding: str | None = None) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
+            if encoding:
+                self.send_header("Content-Encoding", encoding)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -102,9 +102,12 @@ def served() -> Iterator[tuple[str, CollectorRegistry]]:
 
 def test_serves_the_rendering_on_metrics_and_refuses_other_paths(served: tuple[str, CollectorRegistry]) -> None:
     url, reg = served
-    r = httpx.get(f"{url}/metrics", timeout=5)
+    r = httpx.get(f"{url}/metrics", timeout=5, headers={"Accept-Encoding": "identity"})
     assert r.status_code == 200 and r.content == generate_latest(reg)
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "content-encoding" not in r.headers
+    z = httpx.get(f"{url}/metrics", timeout=5, headers={"Accept-Encoding": "gzip"})  # as Prometheus asks
+    assert z.headers["content-encoding"] == "gzip" and z.content == generate_latest(reg)  # httpx inflates it
     assert httpx.get(f"{url}/nothing", timeout=5).status_code == 404
 
 
