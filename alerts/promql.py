@@ -239,3 +239,14 @@ def over_positive(numerator: str, divisor: str, on: str) -> str:
 def since(timestamp_sel: str) -> str:
     """Seconds since a unix-timestamp gauge; absent while the gauge is 0 (it never happened)."""
     return f"time() - ({timestamp_sel} > 0)"
+
+
+def floored_multiple(expected_sel: str, factor: float, floor: float) -> str:
+    """``factor`` x ``expected``, never below ``floor``: a limit from a prediction too small to trust alone."""
+    return f"clamp_min({expected_sel} * {num(factor)}, {num(floor)})"
+
+
+def past_limit(value_sel: str, expected_sel: str, factor: float, floor: float) -> str:
+    """``value`` where it passed ``floored_multiple`` of ``expected`` (same label sets): a duration against
+    its prediction."""
+    return f"{value_sel} > {floored_multiple(expected_sel, factor, floor)}"

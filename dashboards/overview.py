@@ -17,12 +17,14 @@ from typing import Any
 
 from prometheus_client.utils import floatToGoString
 
+from stepwatch.alerts.defs.service import stall_floor
 from stepwatch.alerts.promql import (
     above_bucket,
     cache_hit_ratio,
     device_peak_flops,
     events,
     firing,
+    floored_multiple,
     mean_step_time,
     num,
     over_positive,
@@ -113,7 +115,24 @@ def queue_row(b: Board) -> None:
         "Queue depth, by pool", """Requests waiting for a worker, per pool. Healthy: 0 to a few. Depth alone
         is not the signal (a 2048² request weighs ~16x a 512² one); the estimated wait is.""", "short",
         [T(sel("stepwatch_queue_depth", INST, F_POOL), "{{pool}} @ {{instance}}")], min_=0, decimals=0,
-        span=24, height=6)
+        span=12, height=6)
+    _worker_stall_panel(b)
+
+
+def _worker_stall_panel(b: Board) -> None:
+    ws = b.th.alert("worker_stalled")
+    floor = stall_floor(ws)
+    busy, expected = (sel(m, INST, F_POOL) for m in ("stepwatch_worker_busy_seconds",
+                                                      "stepwatch_worker_expected_seconds"))
+    b.timeseries(
+        ws.panel, f"""Seconds the worker has spent on the generation in flight, with its stall line: {num(ws.threshold)}
+        x the queue's prediction, never below {num(floor)} s (dashed red). Healthy: a sawtooth that drops to 0 as
+        each request ends, under the line. A ramp that keeps climbing = a hung worker (a frozen process, a rank
+        stuck in a collective); the service restarts it at twice the line.""", "s",
+        [T(busy, "{{pool}} busy @ {{instance}}"),
+         T(f"{floored_multiple(expected, ws.threshold, floor)} and {busy} > 0",
+           f"{{{{pool}}}} stall line (x {num(ws.threshold)})", "limit")],
+        alerts=["worker_stalled"], min_=0, span=12, height=6)
 
 
 # ----- pipeline -----------------------------------------------------------------------------------

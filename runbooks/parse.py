@@ -71,6 +71,9 @@ CAUSES: dict[str, str] = {
     "queue_backlog": "work piled up on one instance (uneven routing, or that instance is slow)",
     "cold_start": "instances are still loading weights or compiling (not ready yet)",
     "worker_crashed": "the worker process died and restarts",
+    "worker_hung": "the worker process is alive but frozen: it answers nothing, its own metrics included",
+    "collective_hang": "a rank waits in a collective the other ranks never enter (ranks that disagree, a rank "
+                       "stuck or gone)",
     "pipeline_exception": "the pipeline raised errors that are not OOMs",
     "target_unreachable": "the probed service cannot be reached",
     "baseline_missing": "the quality baseline did not load (missing files, bad checksum)",

@@ -55,6 +55,7 @@ from stepwatch.exposition import CONTENT_TYPE
 from stepwatch.service import api
 from stepwatch.service.engine import Admission, Answer, Service
 from stepwatch.service.messages import Reply
+from stepwatch.service.stall import restart_due
 
 log = logging.getLogger("stepwatch.service")
 T = TypeVar("T")
@@ -244,14 +245,26 @@ def _check_admin(svc: Service, request: Request) -> None:
 
 
 @router.get("/healthz")
-async def healthz(request: Request) -> dict[str, Any]:
-    return {"status": "ok", "worker_up": _service(request).worker.alive()}
+async def healthz(request: Request) -> JSONResponse:
+    """Alive unless the worker is hung past the restart point (the service is restarting it then)."""
+    svc = _service(request)
+    busy = svc.inflight.busy()
+    if restart_due(busy, svc.stall):
+        return AsciiJSON({"status": "stalled", "worker_up": svc.worker.alive(),
+                          "stalled_seconds": round(busy.seconds if busy else 0.0, 1)}, 503)
+    return AsciiJSON({"status": "ok", "worker_up": svc.worker.alive()}, 200)
 
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
-    ready = _service(request).ready
-    return AsciiJSON({"ready": ready}, 200 if ready else 503)
+    """Ready once warmed up, and not while the worker is stalled on a generation (StepwatchWorkerStalled)."""
+    svc = _service(request)
+    stalled = svc.stalled_seconds()
+    ready = svc.ready and not stalled
+    body: dict[str, Any] = {"ready": ready}
+    if stalled:
+        body["stalled_seconds"] = round(stalled, 1)
+    return AsciiJSON(body, 200 if ready else 503)
 
 
 @router.get("/metrics")

@@ -96,6 +96,9 @@ class ServiceConfig:
     ranks: int = 1
     baselines: str | None = None  # per-shape step time / hit-rate baselines published as gauges
     request_timeout_seconds: float = 600.0
+    # The thresholds file whose alerts.worker_stalled sets the stall limit (/readyz, the worker restart), so
+    # the service and StepwatchWorkerStalled agree; default: the packaged alerts/thresholds.yaml.
+    thresholds: str | None = None
 
     def pool_for(self, size: str) -> PoolConfig:
         for p in self.pools:
@@ -254,6 +257,14 @@ def _check_limits(cfg: ServiceConfig) -> None:
     _check_type(cfg.request_timeout_seconds, (int, float), "request_timeout_seconds")
     if not cfg.request_timeout_seconds > 0:
         raise ConfigError("request_timeout_seconds: must be > 0")
+    if cfg.thresholds is not None:
+        from stepwatch.alerts.thresholds import ThresholdsError, load  # light: YAML only
+
+        _check_type(cfg.thresholds, str, "thresholds")
+        try:
+            load(cfg.thresholds)
+        except ThresholdsError as e:
+            raise ConfigError(f"thresholds: {e}") from None
 
 
 def _check_compile_and_cache(cfg: ServiceConfig) -> None:

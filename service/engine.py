@@ -27,6 +27,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from stepwatch import httpclient
+from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.exposition import Renderer
 from stepwatch.metrics import MetricSet
 from stepwatch.service import api, knobs
@@ -34,6 +35,7 @@ from stepwatch.service.config import PoolConfig, ServiceConfig, parse_size
 from stepwatch.service.fingerprint import fingerprint_id
 from stepwatch.service.messages import ReadyMsg, Reply, ResultMsg
 from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Scheduler, Ticket
+from stepwatch.service.stall import Busy, InFlight, StallPolicy, restart_due, stalled_seconds
 from stepwatch.service.worker_client import WorkerClient, WorkerDied, exit_text
 
 log = logging.getLogger("stepwatch.service")
@@ -56,6 +58,14 @@ def _server_error(status: int, message: str, code: str, headers: dict[str, str] 
     return api.ApiError(status, message, None, code, "server_error", headers)
 
 
+class _Stalled(Exception):
+    """The generation in flight passed twice its stall limit: the worker is restarted."""
+
+    def __init__(self, busy: Busy) -> None:
+        super().__init__(f"stalled for {busy.seconds:.0f}s")
+        self.busy = busy
+
+
 def _worker_died(message: str) -> api.ApiError:
     return _server_error(503, message, "worker_died", {"Retry-After": "30"})
 
@@ -68,6 +78,8 @@ class Service:
         self.cfg = cfg
         self.registry = registry or CollectorRegistry()
         self.m = MetricSet(self.registry, "service")
+        self.stall = StallPolicy.from_thresholds(load_thresholds(cfg.thresholds) if cfg.thresholds else None)
+        self.inflight = InFlight()
         self._renderer = Renderer(self.registry)
         self.instance_id = cfg.instance_id or f"{socket.gethostname()}:{cfg.port}"
         self.predictor = Predictor()
@@ -94,6 +106,8 @@ class Service:
             self.m.queue_slo_seconds.labels(pool=p.name).set(p.slo_seconds)
             self.m.queue_depth.labels(pool=p.name).set(0)
             self.m.queue_estimated_wait_seconds.labels(pool=p.name).set(0)
+            self.m.worker_busy_seconds.labels(pool=p.name).set(0)
+            self.m.worker_expected_seconds.labels(pool=p.name).set(0)
         self.m.worker_restarts_total.inc(0)
         self.m.worker_up.set(0)
         self.m.service_ready.set(0)
@@ -211,30 +225,63 @@ class Service:
     def _run_ticket(self, t: Ticket) -> None:
         """One request on the worker; its client's Future gets the reply or the error to answer."""
         timeout = self.cfg.request_timeout_seconds
+        self.inflight.start(t.pool, t.predicted)
         try:
-            reply = self.worker.call({"op": "generate", "id": "", "request": t.request.__dict__}).result(
-                timeout=timeout)
+            reply = self._await_reply(self.worker.call({"op": "generate", "id": "", "request": t.request.__dict__}),
+                                      timeout)
             if not t.future.done():
                 t.future.set_result(reply)
+        except _Stalled as e:
+            log.error("the worker stalled: %.0fs on one generation (predicted %.1fs); restarting it",
+                      e.busy.seconds, e.busy.expected_seconds)
+            self.worker.kill()  # first: not ready before the client hears why
+            if not t.future.done():
+                t.future.set_exception(_server_error(
+                    504, f"the worker stalled ({e.busy.seconds:.0f}s on this request, predicted "
+                         f"{e.busy.expected_seconds:.1f}s); it is restarting", "timeout"))
         except WorkerDied as e:
             if not t.future.done():
                 t.future.set_exception(_worker_died(
                     f"the worker died while generating this request ({e}); it is restarting, retry shortly"))
         except FutureTimeout:
             log.error("request timed out after %ss; killing the worker", timeout)
+            self.worker.kill()  # first: not ready before the client hears why
             if not t.future.done():
                 t.future.set_exception(_server_error(
                     504, f"generation took longer than {timeout:.0f}s; the worker is restarting", "timeout"))
-            self.worker.kill()
+        finally:
+            self.inflight.finish()
+
+    def _await_reply(self, call: Any, timeout: float) -> Any:
+        """The worker's reply; FutureTimeout past ``timeout``, _Stalled once a restart is due (checked each
+        second: a hung worker never answers, so waiting out the request timeout would hold everyone)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return call.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                busy = self.inflight.busy()
+                if restart_due(busy, self.stall):
+                    raise _Stalled(busy) from None
+                if time.monotonic() >= deadline:
+                    raise
+
+    def stalled_seconds(self) -> float:
+        """Seconds on the generation in flight when the worker is stalled, else 0 (for /readyz, /healthz)."""
+        return stalled_seconds(self.inflight.busy(), self.stall)
 
     def _ticker(self) -> None:
         while not self._stop.wait(1.0):
             self._update_gauges()
 
     def _update_gauges(self) -> None:
+        busy = self.inflight.busy()
         for pool, s in self.scheduler.snapshot().items():
             self.m.queue_depth.labels(pool=pool).set(s["depth"])
             self.m.queue_estimated_wait_seconds.labels(pool=pool).set(s["estimated_wait"])
+            mine = busy is not None and busy.pool == pool
+            self.m.worker_busy_seconds.labels(pool=pool).set(busy.seconds if mine and busy else 0)
+            self.m.worker_expected_seconds.labels(pool=pool).set(busy.expected_seconds if mine and busy else 0)
 
     # ----- requests -------------------------------------------------------------------------
     def pool_of(self, body: Any) -> str:

@@ -138,7 +138,9 @@ class WorkerClient:
         return fut
 
     def kill(self) -> None:
-        """Kill a hung worker; the reader sees it die and the service restarts it."""
+        """Kill a hung worker; the reader sees it die and the service restarts it.  Not ready from now on:
+        a request admitted before the reader notices would reach a dead worker."""
+        self.ready.clear()
         if self.proc is not None:
             self.proc.kill()
 

@@ -133,6 +133,12 @@ METRICS: tuple[MetricDef, ...] = (
        "Requests refused with 429 because the estimated wait passed the hard limit.", ("pool",), "service"),
     _m("stepwatch_worker_restarts_total", "counter", "Worker processes restarted after dying.", (), "service"),
     _m("stepwatch_worker_up", "gauge", "1 when the worker process is alive.", (), "service"),
+    _m("stepwatch_worker_busy_seconds", "gauge",
+       "Seconds the worker has spent on the generation in flight, by its pool (0 when idle): it grows while "
+       "a hung worker answers nothing.", ("pool",), "service"),
+    _m("stepwatch_worker_expected_seconds", "gauge",
+       "Predicted seconds of the generation in flight (the queue's estimate), by its pool; 0 when idle.",
+       ("pool",), "service"),
     _m("stepwatch_service_ready", "gauge", "1 once warm-up finished.", (), "service"),
     _m("stepwatch_service_config", "info",
        "Runtime knobs and the deployment fingerprint of the service.", (), "service"),

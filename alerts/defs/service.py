@@ -12,12 +12,13 @@ from stepwatch.alerts.defs.base import (
     Timing,
     const,
     events_case,
+    jump,
     need_window,
     pending,
     ramp,
     rate_window,
 )
-from stepwatch.alerts.promql import events, num, sel, sum_increase
+from stepwatch.alerts.promql import events, num, past_limit, sel, sum_increase
 from stepwatch.alerts.thresholds import AlertSpec, Thresholds
 
 SUBSYSTEM = "service"
@@ -68,6 +69,39 @@ def _errors_cases(p: Timing) -> list[Case]:
                   Expect(fire, [({"job": SVC, "pool": "large"}, p.T * 1.1)])])]
 
 
+# ----- worker stalled -------------------------------------------------------------------------
+
+def stall_floor(spec: AlertSpec) -> float:
+    """``alerts.worker_stalled.min_seconds``: the stall limit never goes below it (the service reads it too)."""
+    return float(spec.extra.get("min_seconds", 300))
+
+
+def _stalled_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    return past_limit("stepwatch_worker_busy_seconds", "stepwatch_worker_expected_seconds", spec.threshold,
+                      stall_floor(spec))
+
+
+def _stalled_cases(p: Timing) -> list[Case]:
+    """Idle at the first scrape, then each pool busy at its value (so nothing fires at 0 even with no ``for:``)."""
+    fire = p.s + p.F
+    n = p.n(fire + p.s)
+    floor = stall_floor(p.spec)
+    # (pool, expected, busy): over the factor; under it (both above the floor); under the floor though over the
+    # factor; over the floor; idle.
+    long = 2 * floor / p.T  # a prediction whose factor x lies above the floor
+    pools = (("large", long, long * p.T * 1.1), ("small", long, long * p.T * 0.9),
+             ("cold", floor / p.T / 2, floor * 0.9), ("idle", 0.0, 0.0), ("tiny", floor / p.T / 2, floor * 1.1))
+    series = []
+    for pool, expected, busy in pools:
+        lab = {"job": SVC, "instance": I1, "pool": pool}
+        series += [Series("stepwatch_worker_expected_seconds", lab, const(expected, n)),
+                   Series("stepwatch_worker_busy_seconds", lab, jump(0, 1, busy, n))]
+    fired = [({"job": SVC, "instance": I1, "pool": "large"}, long * p.T * 1.1),
+             ({"job": SVC, "instance": I1, "pool": "tiny"}, floor * 1.1)]
+    return [Case(p.spec.key, "pool large over the factor, small under it, cold under the floor, tiny over the floor, "
+                 "idle at 0", series, [pending(p), Expect(fire, fired)])]
+
+
 # ----- non-finite images ----------------------------------------------------------------------
 
 def _nonfinite_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
@@ -83,5 +117,6 @@ ALERTS = (
     # A probe that times out or gets 429 behind the queue is the queue's story.
     AlertDef("queue_wait", _queue_expr, ("instance", "pool"), _queue_cases, explains=("queue_backlog",)),
     AlertDef("error_ratio", _errors_expr, ("pool",), _errors_cases, rate_based=True),
+    AlertDef("worker_stalled", _stalled_expr, ("instance", "pool"), _stalled_cases),
     AlertDef("nonfinite_outputs", _nonfinite_expr, ("instance", "pool"), _nonfinite_cases),
 )
