@@ -130,8 +130,8 @@ class _TableNvml:
 
 
 # Label values of one probe set's quality series; a label not named here gets "x".
-_QUALITY_VALUES = {"probe_set": ("default",), "instance_id": ("practice:8000",), "quantile": ("p50", "p10", "min"),
-                   "stat": ("p50", "p10", "min"), "reason": ("connect", "timeout", "bad_response", "baseline")}
+_QUALITY_VALUES = {"probe_set": ("default",), "instance_id": ("practice:8000",), "stat": ("p50", "p10", "min"),
+                   "reason": ("connect", "timeout", "bad_response", "baseline")}
 
 
 def _label_sets(labels: tuple[str, ...]) -> Iterator[dict[str, str]]:

@@ -15,8 +15,6 @@ from stepwatch.exporter.report import RequestReport
 from stepwatch.exporter.request import PEAK_STAGES, STAGES
 from stepwatch.metrics import MetricSet
 
-OTHER_STAGES = ("prepare", "postprocess")
-
 
 def observe_all(hist: Any, amounts: Sequence[float]) -> None:
     """``hist.observe(a)`` for every amount, with one increment per touched bucket (or of the count, for a

@@ -100,6 +100,14 @@ def _tiny_vae() -> Any:
         use_post_quant_conv=False, sample_size=256, mid_block_add_attention=False)
 
 
+def _tiny_t5(seed: int, d_model: int) -> Any:
+    """The T5 text encoder both MMDiT families use: 4 heads of ``d_model / 4``, its own seed salt (2)."""
+    _seeded(seed, 2)
+    return T5EncoderModel(T5Config(
+        vocab_size=_VOCAB_SIZE + len(_SPECIALS), d_model=d_model, d_kv=d_model // 4, d_ff=37, num_layers=2,
+        num_heads=4, pad_token_id=_VOCAB_SIZE + 1, eos_token_id=_VOCAB_SIZE + 2))
+
+
 def _tiny_flux(seed: int) -> Any:
     vocab = _VOCAB_SIZE + len(_SPECIALS)
     _seeded(seed, 1)
@@ -107,10 +115,7 @@ def _tiny_flux(seed: int) -> Any:
         vocab_size=vocab, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
         projection_dim=32, max_position_embeddings=77, eos_token_id=vocab - 1, pad_token_id=_VOCAB_SIZE + 1,
         bos_token_id=_VOCAB_SIZE))
-    _seeded(seed, 2)
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=vocab, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-        pad_token_id=_VOCAB_SIZE + 1, eos_token_id=_VOCAB_SIZE + 2))
+    t5 = _tiny_t5(seed, d_model=32)
     _seeded(seed, 3)
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
@@ -163,10 +168,7 @@ def _tiny_sd3(seed: int) -> Any:
     clip = CLIPTextModelWithProjection(clip_config)
     _seeded(seed, 5)
     clip_2 = CLIPTextModelWithProjection(clip_config)
-    _seeded(seed, 2)
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=vocab, d_model=64, d_kv=16, d_ff=37, num_layers=2, num_heads=4,
-        pad_token_id=_VOCAB_SIZE + 1, eos_token_id=_VOCAB_SIZE + 2))
+    t5 = _tiny_t5(seed, d_model=64)
     _seeded(seed, 3)
     transformer = SD3Transformer2DModel(
         sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
