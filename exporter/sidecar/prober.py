@@ -33,7 +33,10 @@ log = logging.getLogger("stepwatch.sidecar.prober")
 
 QUALITY_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS
                                          if m.owner == "sidecar" and m.name.startswith("stepwatch_quality_"))
-# Failing fast: a refused connection ends the set; so do this many timeouts in a row.
+# Failing fast: a refused connection or a 503 (the service says it cannot serve now: warming up, shutting
+# down, its worker restarting) ends the set, since the rest would only add load to a service that is
+# recovering; so do this many timeouts in a row.
+ENDS_THE_SET = ("connect", "http_503")
 MAX_CONSECUTIVE_TIMEOUTS = 3
 
 Status = Literal["ok", "partial", "stale", "baseline_error", "failed", "aborted"]
@@ -288,7 +291,7 @@ class Prober:
                 out.failure, out.detail = e.reason, e.detail
                 self._fail(res, e.reason)
                 timeouts = timeouts + 1 if e.reason == "timeout" else 0
-                if e.reason == "connect" or timeouts >= MAX_CONSECUTIVE_TIMEOUTS:
+                if e.reason in ENDS_THE_SET or timeouts >= MAX_CONSECUTIVE_TIMEOUTS:
                     res.error = f"target {self.target}: {e.detail} (rest of the set skipped)"
                     break
                 continue
