@@ -121,7 +121,7 @@ def queue_row(b: Board) -> None:
 
 def _worker_stall_panel(b: Board) -> None:
     ws = b.th.alert("worker_stalled")
-    floor = stall_floor(ws)
+    floor = stall_floor(ws, "production")  # one board for both; the drill stack's shorter floor is in its rules
     busy, expected = (sel(m, INST, F_POOL) for m in ("stepwatch_worker_busy_seconds",
                                                       "stepwatch_worker_expected_seconds"))
     b.timeseries(

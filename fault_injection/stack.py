@@ -60,6 +60,7 @@ DRILL_SERVICE: dict[str, Any] = {
               "large": {"sizes": ["1024x1024", "2048x2048"], "slo_seconds": 60, "max_wait_seconds": 120}},
     "other_pool": {"slo_seconds": 60, "max_wait_seconds": 120},
     "admin_token": ADMIN_TOKEN,
+    "thresholds_profile": "drill",  # the stall limit of the rules this stack's Prometheus runs
 }
 
 

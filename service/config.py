@@ -99,6 +99,9 @@ class ServiceConfig:
     # The thresholds file whose alerts.worker_stalled sets the stall limit (/readyz, the worker restart), so
     # the service and StepwatchWorkerStalled agree; default: the packaged alerts/thresholds.yaml.
     thresholds: str | None = None
+    # Which profile of that file: the alert rules the Prometheus watching this service runs (production, or
+    # drill on the practice stack, whose floor is short enough for a drill to see a stall within a minute).
+    thresholds_profile: str = "production"
 
     def pool_for(self, size: str) -> PoolConfig:
         for p in self.pools:
@@ -257,14 +260,23 @@ def _check_limits(cfg: ServiceConfig) -> None:
     _check_type(cfg.request_timeout_seconds, (int, float), "request_timeout_seconds")
     if not cfg.request_timeout_seconds > 0:
         raise ConfigError("request_timeout_seconds: must be > 0")
-    if cfg.thresholds is not None:
-        from stepwatch.alerts.thresholds import ThresholdsError, load  # light: YAML only
+    _check_thresholds(cfg)
 
+
+def _check_thresholds(cfg: ServiceConfig) -> None:
+    """The stall limit comes from the thresholds file: a bad file or profile fails at start-up, not mid-stall."""
+    from stepwatch.alerts.defs.service import stall_floor  # light: YAML only
+    from stepwatch.alerts.thresholds import PROFILES, ThresholdsError, load
+
+    if cfg.thresholds is not None:
         _check_type(cfg.thresholds, str, "thresholds")
-        try:
-            load(cfg.thresholds)
-        except ThresholdsError as e:
-            raise ConfigError(f"thresholds: {e}") from None
+    _check_type(cfg.thresholds_profile, str, "thresholds_profile")
+    if cfg.thresholds_profile not in PROFILES:
+        raise ConfigError(f"thresholds_profile: {cfg.thresholds_profile!r} is not one of {', '.join(PROFILES)}")
+    try:
+        stall_floor(load(cfg.thresholds).alert("worker_stalled"), cfg.thresholds_profile)
+    except ThresholdsError as e:
+        raise ConfigError(f"thresholds: {e}") from None
 
 
 def _check_compile_and_cache(cfg: ServiceConfig) -> None:

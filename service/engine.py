@@ -78,7 +78,8 @@ class Service:
         self.cfg = cfg
         self.registry = registry or CollectorRegistry()
         self.m = MetricSet(self.registry, "service")
-        self.stall = StallPolicy.from_thresholds(load_thresholds(cfg.thresholds) if cfg.thresholds else None)
+        self.stall = StallPolicy.from_thresholds(load_thresholds(cfg.thresholds) if cfg.thresholds else None,
+                                                 cfg.thresholds_profile)
         self.inflight = InFlight()
         self._renderer = Renderer(self.registry)
         self.instance_id = cfg.instance_id or f"{socket.gethostname()}:{cfg.port}"

@@ -6,7 +6,8 @@ that another rank never enters, or spinning in a deadlock answers nothing: its o
 metrics may be gone with it, and ``/healthz`` used to answer 200 throughout.  So the
 HTTP process, which stays alive, measures it: seconds on the generation in flight
 against ``threshold`` x its prediction, never below ``min_seconds`` (both from
-``alerts.worker_stalled`` in alerts/thresholds.yaml, the alert's own numbers).  Past
+``alerts.worker_stalled`` in alerts/thresholds.yaml, the alert's own numbers, of the
+profile the service is configured with).  Past
 that limit the worker is stalled (``/readyz`` 503, StepwatchWorkerStalled); past twice
 the limit the service restarts it, failing the request with a 504 that says so.
 """
@@ -28,9 +29,9 @@ class StallPolicy:
     min_seconds: float
 
     @classmethod
-    def from_thresholds(cls, th: Thresholds | None = None) -> StallPolicy:
+    def from_thresholds(cls, th: Thresholds | None = None, profile: str = "production") -> StallPolicy:
         spec = (th or load()).alert("worker_stalled")
-        return cls(spec.threshold, stall_floor(spec))
+        return cls(spec.threshold, stall_floor(spec, profile))
 
     def limit(self, expected_seconds: float) -> float:
         """Seconds after which a generation predicted to take ``expected_seconds`` is stalled."""

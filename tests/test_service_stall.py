@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from stepwatch.alerts.thresholds import default_path, load
+from stepwatch.alerts.defs.service import stall_floor
+from stepwatch.alerts.thresholds import ThresholdsError, default_path, load
 from stepwatch.service.stall import Busy, InFlight, StallPolicy, restart_due, stalled_seconds
 from tests.promtext import samples, value
 
@@ -26,7 +27,18 @@ def test_the_limit_is_the_factor_times_the_prediction_never_below_the_floor() ->
 
 def test_the_policy_is_the_alerts_own_numbers() -> None:
     spec = load().alert("worker_stalled")
-    assert StallPolicy.from_thresholds() == StallPolicy(spec.threshold, float(spec.extra["min_seconds"]))
+    floors = spec.extra["min_seconds"]
+    assert StallPolicy.from_thresholds() == StallPolicy(spec.threshold, float(floors["production"]))
+    assert StallPolicy.from_thresholds(profile="drill") == StallPolicy(spec.threshold, float(floors["drill"]))
+    assert floors["drill"] * 2 <= 60 < floors["production"]  # a drill sees the stall (and restart) within 60 s
+
+
+@pytest.mark.parametrize("floor", [{"production": 300}, 0, "300", True])
+def test_a_floor_missing_for_a_profile_or_not_seconds_is_an_error(floor: Any) -> None:
+    spec = load().alert("worker_stalled")
+    spec.extra["min_seconds"] = floor
+    with pytest.raises(ThresholdsError, match="min_seconds"):
+        stall_floor(spec, "drill")
 
 
 def test_in_flight_busy_time_follows_the_clock() -> None:

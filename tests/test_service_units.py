@@ -46,6 +46,8 @@ def test_embedded_default_config_is_valid() -> None:
     ({"max_side": 0}, "max_side"),
     ({"dtype": "float33"}, "dtype"),
     ({"baselines": "/nonexistent/baselines.yaml"}, "baselines"),
+    ({"thresholds_profile": "staging"}, "thresholds_profile"),
+    ({"thresholds": "/nonexistent/thresholds.yaml"}, "thresholds"),
 ])
 def test_bad_config_names_the_key(raw: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError) as e:
