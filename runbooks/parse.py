@@ -86,7 +86,7 @@ SECTIONS = ("Meaning", "Impact", "Diagnosis", "Mitigation", "Dashboard")
 NEXT, END = "next", "end"
 Outcome = Literal["healthy", "unhealthy", "unknown"]
 EMPTY = ("healthy", "unhealthy", "unknown")
-CHECK_KEYS = {"id", "query", "healthy", "if_unhealthy", "if_healthy", "empty"}
+CHECK_KEYS = {"id", "query", "healthy", "if_unhealthy", "if_healthy", "empty", "explained_by"}
 PSEUDO_LABELS = {"instance_host": "instance"}  # derived placeholders: the instance without its port
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
@@ -96,6 +96,7 @@ _COND = re.compile(r"^\s*(<=|>=|==|!=|<|>)\s*(\S+)\s*$")
 _LABEL_PH = re.compile(r"\{\{\s*\$labels\.([a-zA-Z_][a-zA-Z0-9_]*)\s*\}\}")
 _VALUE_PH = re.compile(r"\$\{([a-z_]+(?:\.[a-z_]+)?)\}")
 _ID = re.compile(r"^[a-z][a-z0-9_]*$")
+_ALERT_NAME = re.compile(r"^Stepwatch[A-Z][A-Za-z0-9]*$")
 _ITEM = re.compile(r"^(\d+)\.\s", re.M)
 _FENCE = re.compile(r"^[ \t]*```check[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
 _TITLE = re.compile(r"\*\*(.+?)\*\*")
@@ -148,6 +149,9 @@ class Check:
     if_healthy: str
     empty: Outcome = "unknown"  # the outcome when the query returns no samples
     alert: str = ""  # the runbook's alert name (for ${window} and error messages)
+    # Another alert whose incident this one is a symptom of, when the walk leaves this check unhealthy
+    # (the probe failing because the worker stalled): triage names it and joins that alert's incident.
+    explained_by: str = ""
 
     def labels_needed(self) -> set[str]:
         """Alert labels the query reads (pseudo labels resolved to their source)."""
@@ -237,12 +241,29 @@ def _value_placeholders(text: str, thresholds: Thresholds | None, profile: str, 
                 return str(spec.window.get(profile, th.profiles[profile].rate_window))
             if name == "job_regex":
                 return str(th.job_regex)
+            if name == "scrape_interval":
+                return str(th.profiles[profile].scrape_interval)
+            if tail and head in th.alert(tail).extra:
+                return _extra_value(th.alert(tail).extra[head], profile)
         except KeyError:
             pass
         raise RunbookError(f"{where}: unknown placeholder ${{{name}}} (known: ${{threshold.<alert key>}}, "
-                           "${diagnosis.<name>}, ${rate_window}, ${window}, ${job_regex})")
+                           "${<alert setting>.<alert key>}, ${diagnosis.<name>}, ${rate_window}, ${window}, "
+                           "${scrape_interval}, ${job_regex})")
 
     return _VALUE_PH.sub(value, text)
+
+
+def _extra_value(raw: Any, profile: str) -> str:
+    """An alert's own setting (``min_seconds: {production: 300, drill: 20}``), this profile's when per profile.
+
+    A check that restates an alert's condition (the stall limit) must read the same numbers the rule was
+    generated from, or triage and the alert would disagree about the same series.
+    """
+    value = raw.get(profile) if isinstance(raw, dict) else raw
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise KeyError(profile)
+    return value if isinstance(value, str) else format(value, ".12g")
 
 
 def _sections(text: str, where: str) -> tuple[str, dict[str, str], set[str]]:
@@ -297,6 +318,10 @@ def _check(item: str, number: int, alert: str, where: str) -> Check:
     empty = str(data.get("empty", "unknown"))
     if empty not in EMPTY:
         raise RunbookError(f"{where}: check {cid}: empty {empty!r} is not one of {', '.join(EMPTY)}")
+    explained_by = str(data.get("explained_by") or "")
+    if explained_by and not _ALERT_NAME.match(explained_by):
+        raise RunbookError(f"{where}: check {cid}: explained_by {explained_by!r} is not an alert name "
+                           "(Stepwatch + CamelCase)")
     tm = _TITLE.search(item)
     prose = _FENCE.sub("", item)
     prose = re.sub(r"^\d+\.\s*", "", prose).strip()
@@ -304,7 +329,7 @@ def _check(item: str, number: int, alert: str, where: str) -> Check:
                  query=str(data["query"]).strip(), healthy=Condition.parse(str(data["healthy"]), f"{where}: {cid}"),
                  if_unhealthy=str(data["if_unhealthy"]), if_healthy=str(data["if_healthy"]),
                  empty=empty,  # type: ignore[arg-type]
-                 alert=alert)
+                 alert=alert, explained_by=explained_by)
 
 
 def parse_runbook(text: str, file: str = "<text>") -> Runbook:

@@ -140,6 +140,34 @@ def test_cause_vocabulary_is_shared_and_documented(th: Any, runbooks: dict[str, 
         assert "${diagnosis." + name + "}" in text, name
 
 
+def test_explained_by_names_another_alert(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    names = {a.name for a in th.alerts.values()}
+    joins = {(rb.alert, c.id): c.explained_by for rb in runbooks.values() for c in rb.checks if c.explained_by}
+    assert joins == {("StepwatchQualityProbeFailing", "stalled"): "StepwatchWorkerStalled"}
+    for (alert, _cid), target in joins.items():
+        assert target in names and target != alert
+
+
+def test_probe_stall_check_restates_the_stall_alerts_limit(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    """quality-probe-failing.md's stall check and StepwatchWorkerStalled must agree about one series: the same
+    limit, in the same words (promql.floored_multiple), from the same numbers, in both profiles."""
+    from stepwatch.alerts.defs.service import stall_floor
+
+    spec = th.alert("worker_stalled")
+    check = runbooks["StepwatchQualityProbeFailing"].check("stalled")
+    for p in PROFILES:
+        q = check.render({"instance": "10.0.0.1:9465"}, th, p)
+        expected = promql.sel("stepwatch_worker_expected_seconds", 'instance=~"10.0.0.1:.*"')
+        assert promql.floored_multiple(expected, spec.threshold, stall_floor(spec, p)) in q, (p, q)
+        limit = promql.floored_multiple("stepwatch_worker_expected_seconds", spec.threshold, stall_floor(spec, p))
+        assert limit in defs.ALERTS["worker_stalled"].expr(th, spec, p)
+        probe_window = th.alert("probe_failing").window[p]
+        assert f"[{probe_window}:{th.profiles[p].scrape_interval}]" in q
+    with pytest.raises(RunbookError, match=r"unknown placeholder \$\{no_such_setting.worker_stalled\}"):
+        parse.Check(1, "x", "x?", "", "${no_such_setting.worker_stalled}", parse.Condition("<", "1"), "end",
+                    "end").render({}, th)
+
+
 def test_every_path_ends(runbooks: dict[str, parse.Runbook]) -> None:
     for rb in runbooks.values():
         for pattern in ("healthy", "unhealthy", "unknown"):
@@ -207,6 +235,8 @@ def _item(**check: str) -> str:
     (_doc(_item(healthy="'< 1'", if_unhealthy="host_down", if_healthy="end", empty="maybe")),
      "empty 'maybe' is not one of"),
     (_doc(_item(healthy="'< 1'", if_healthy="end")), "check 1 is missing if_unhealthy"),
+    (_doc(_item(healthy="'< 1'", if_unhealthy="host_down", if_healthy="end", explained_by="worker stall")),
+     "explained_by 'worker stall' is not an alert name"),
 ])
 def test_parser_errors_name_the_problem(text: str, message: str) -> None:
     with pytest.raises(RunbookError, match=re.escape(message)):

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,14 @@ TH = load()
 
 
 class StubProm:
-    """Answers a query with the value of the first rule whose pattern it matches (no match: no samples)."""
+    """Answers a query with the value of the first rule whose pattern it matches (no match: no samples).
+
+    A rule's value is a number (one sample without labels), a Sample (labels too) or None (no samples).
+    """
 
     url = "http://stub:9090"
 
-    def __init__(self, rules: list[tuple[str, float | None]]) -> None:
+    def __init__(self, rules: Sequence[tuple[str, float | Sample | None]]) -> None:
         self.rules = rules
         self.queries: list[tuple[str, float | None]] = []
 
@@ -48,7 +52,7 @@ class StubProm:
             return [Sample({}, 1.0)]
         for pattern, value in self.rules:
             if re.search(pattern, expr, re.S):
-                return [] if value is None else [Sample({}, value)]
+                return [] if value is None else [value if isinstance(value, Sample) else Sample({}, value)]
         return []
 
 
@@ -256,6 +260,105 @@ def test_query_errors_are_contained() -> None:
     assert d.could_not_check and d.error is not None and "parse error" in d.error
     assert report.status == "could_not_check"
 
+
+
+# ----- a failing probe joined to the incident that explains it (quality-probe-failing.md #3-#6) -----
+
+SVC = "127.0.0.1:8000"  # the service; its sidecar (the prober) runs on the same host, port 9465
+
+
+def _probe(reason: str = "timeout") -> Alert:
+    return _alert("probe_failing", job="stepwatch-sidecar", instance="127.0.0.1:9465", probe_set="default",
+                  reason=reason)
+
+
+def _probe_world(stall: float | None, *, answers: float | None = 1.0, ranks: float | None = None,
+                 restarts: float = 0.0, ready: float = 1.0, timeouts: float = 0.0) -> list[tuple[str, Any]]:
+    """The host as the probe runbook and the stall runbook read it: ``stall`` is the worker's time on its
+    generation over the stall limit (None: a service without the gauges)."""
+    return [
+        (r"max_over_time\(\(\s*stepwatch_worker_busy_seconds",
+         None if stall is None else Sample({"instance": SVC, "pool": "small"}, stall)),
+        (r"stepwatch_exporter_build_info", answers),
+        (r"stepwatch_rank_steps_total", ranks),
+        (r"stepwatch_worker_restarts_total", restarts),
+        (r"stepwatch_worker_up", 1.0),
+        (r"stepwatch_service_ready", ready),
+        (r'reason="timeout"', timeouts),
+        (r'reason="baseline"', 0.0),
+        (r"^min\(up\{", 1.0),
+    ]
+
+
+def test_probe_timeouts_behind_a_stalled_worker_follow_the_stall() -> None:
+    # Frozen worker (its metrics gone), the stall alert firing: the probe's timeouts are the stall's, not a queue's.
+    stall = _alert("worker_stalled", instance=SVC, pool="small")
+    rules = _probe_world(1.75, answers=None, timeouts=3.0)
+    report = Engine(StubProm(rules), TH).run([_probe(), stall])  # type: ignore[arg-type]
+    assert len(report.incidents) == 1 and report.causes == ["worker_hung"]
+    inc = report.incidents[0]
+    assert inc.primary.alert.name == "StepwatchWorkerStalled" and inc.primary.path == ["alive", "answers"]
+    assert [(d.alert.name, d.cause) for d in inc.followers] == [("StepwatchQualityProbeFailing", "worker_hung")]
+    probe = inc.followers[0]
+    assert probe.path == ["service_up", "baseline", "stalled", "stall_answers"]
+    assert next(c for c in probe.checks if c.id == "timeouts").outcome == "unhealthy"  # before: queue_backlog
+    join = probe.explained_by
+    assert join is not None and join.alert == "StepwatchWorkerStalled" and join.firing == stall.short()
+    assert join.labels == {"instance": SVC, "pool": "small"} and join.check.id == "stalled"
+    text = render.terminal(report)
+    assert "queue_backlog" not in text
+    assert ("follows from it: StepwatchQualityProbeFailing{instance=127.0.0.1:9465, probe_set=default, "
+            "reason=timeout} (worker_hung; explained by StepwatchWorkerStalled{instance=127.0.0.1:8000, pool=small} "
+            "(firing: the same incident; quality-probe-failing.md #3 stalled = 1.75))") in text
+    j = report.to_json()["incidents"][0]
+    assert [(x["symptom"], x["alert"], x["firing"]) for x in j["explained_by"]] == [
+        (probe.alert.short(), "StepwatchWorkerStalled", stall.short())]
+    assert "is explained by StepwatchWorkerStalled" in render.markdown(report)
+
+
+def test_probe_failures_after_a_stall_name_it_when_its_alert_has_resolved() -> None:
+    # The service restarted the worker at twice the limit (the stall alert resolved) and it warms up again:
+    # the stall in the window still explains the probe, ahead of the restart and the warm-up it caused.
+    rules = _probe_world(2.0, ranks=2.0, restarts=1.0, ready=0.0, timeouts=2.0)
+    report = triage([_probe()], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
+    inc = report.incidents[0]
+    assert report.causes == ["collective_hang"] and inc.primary.path == [
+        "service_up", "baseline", "stalled", "stall_answers", "stall_ranks"]
+    join = inc.primary.explained_by
+    assert join is not None and join.firing == ""
+    assert join.short() == "StepwatchWorkerStalled{instance=127.0.0.1:8000, pool=small}"
+    lines = render.terminal(report).splitlines()
+    assert ("  StepwatchQualityProbeFailing{instance=127.0.0.1:9465, probe_set=default, reason=timeout} is explained "
+            "by StepwatchWorkerStalled{instance=127.0.0.1:8000, pool=small} (not firing at the evaluation time; "
+            "quality-probe-failing.md #3 stalled = 2)") in lines
+    assert inc.to_json()["diagnoses"][0]["explained_by"]["labels"] == {"instance": SVC, "pool": "small"}
+
+
+def test_probe_restart_without_a_stall_is_the_crash() -> None:
+    """A restart with no stall in the window (a crash) is the crash's, ahead of the warm-up it causes."""
+    prom = StubProm(_probe_world(0.02, restarts=1.0, ready=0.0))
+    report = triage([_probe("http_503")], prom, thresholds=TH)  # type: ignore[arg-type]
+    d = report.incidents[0].primary
+    assert d.cause == "worker_crashed" and d.path[-2:] == ["stalled", "restarted"] and d.explained_by is None
+
+
+def test_probe_timeouts_with_a_healthy_worker_are_still_the_queue() -> None:
+    """Control: a real backlog (timeouts) behind a worker well within its limit stays ``queue_backlog``."""
+    report = triage([_probe()], StubProm(_probe_world(0.08, timeouts=4.0)), thresholds=TH)  # type: ignore[arg-type]
+    d = report.incidents[0].primary
+    assert d.cause == "queue_backlog" and d.explained_by is None
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "timeouts"]
+    assert "explained by" not in render.terminal(report)
+
+
+@pytest.mark.parametrize("stall", [None, 0.0])  # a service without the stall gauges; an idle worker
+def test_probe_failures_with_nothing_else_wrong_end_as_before(stall: float | None) -> None:
+    """Control: bad answers and nothing else wrong end the walk without a cause, as before the stall checks."""
+    report = triage([_probe("bad_response")], StubProm(_probe_world(stall)), thresholds=TH)  # type: ignore[arg-type]
+    d = report.incidents[0].primary
+    assert d.cause is None and d.flow_end == "end" and d.explained_by is None
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "timeouts"]
+    assert "escalate" in d.next_step() and "sidecar log" in d.next_step()
 
 
 # ----- the webhook receiver (triage serve) without a real Prometheus -------------------------------

@@ -6,6 +6,7 @@ during a drill (or a no-fault control); see triage/README.md.
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -16,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from stepwatch import httpclient
-from stepwatch.alerts import stack
+from stepwatch.alerts import rulegen, stack
+from stepwatch.alerts.thresholds import load
 from stepwatch.promapi import Alertmanager
-from stepwatch.triage.engine import triage, webhook_payload
+from stepwatch.triage import render
+from stepwatch.triage.engine import Alert, triage, webhook_payload
 from stepwatch.triage.receiver import TriageServer
 from stepwatch.triage.record import load_scenario, record_scenario
 from stepwatch.triage.replay import Replay
@@ -249,3 +252,117 @@ def test_eval_over_committed_scenarios_is_perfect() -> None:
             "straggler-1"} <= names and sum(n.startswith("control-") for n in names) >= 2
     total = sum(f.stat().st_size for f in SCENARIOS.rglob("*") if f.is_file())
     assert total < 5 * 2**20  # committed data stays small
+
+
+# ----- a failing probe and the worker behind it, on real PromQL (synthetic series, drill profile) ---------
+
+T0 = 1_795_960_000.0  # the synthetic recording's last sample
+FREEZE = T0 - 120  # host .11: the worker freezes here; the drill stall limit is 20 s, the restart at 40 s
+RESTART = FREEZE + 40
+HOSTS = {"stall": "127.0.0.11", "backlog": "127.0.0.12", "quiet": "127.0.0.13"}
+
+
+def _host_series(host: str, kind: str, t: float) -> list[tuple[str, dict[str, str], float | None]]:
+    """(series name, labels, value at t, or None: no sample) of one host's service and sidecar."""
+    svc = {"job": "stepwatch-service", "instance": f"{host}:8000"}
+    pool = {**svc, "pool": "small"}
+    probe = {"job": "stepwatch-sidecar", "instance": f"{host}:9465", "probe_set": "default"}
+    since = t - FREEZE
+    stall = kind == "stall"
+    busy = since if stall and 0 <= since <= 40 else (t % 3) / 2  # else a sawtooth within the 1.5 s prediction
+    timeouts = {"stall": sum(t >= FREEZE + s for s in (15, 45, 75)), "backlog": (t - T0 + 300) // 20,
+                "quiet": 0}[kind]
+    return [
+        ("up", svc, 1), ("stepwatch_worker_busy_seconds", pool, busy),
+        ("stepwatch_worker_expected_seconds", pool, 1.5),
+        ("stepwatch_worker_restarts_total", svc, 1 if stall and t > RESTART else 0),
+        ("stepwatch_service_ready", svc, 0 if stall and RESTART < t < RESTART + 20 else 1),
+        ("stepwatch_worker_up", svc, 0 if stall and RESTART < t < RESTART + 10 else 1),
+        # a frozen worker answers nothing, its own metrics included, until its successor is up
+        ("stepwatch_exporter_build_info", {**svc, "stepwatch": "0"}, None if stall and 0 < since < 50 else 1),
+        ("stepwatch_queue_estimated_wait_seconds", pool, 9.0 if kind == "backlog" else 0.5),
+        ("stepwatch_quality_probe_failures_total", {**probe, "reason": "timeout"}, timeouts),
+        ("stepwatch_quality_probe_failures_total", {**probe, "reason": "bad_response"},
+         (t - T0 + 300) // 30 if kind == "quiet" else 0),
+    ]
+
+
+def _write_world(directory: Path) -> Path:
+    """A scenario directory: 5 minutes of 5 s scrapes of the three hosts."""
+    samples: list[tuple[str, float, str]] = []
+    for k in range(61):
+        t = T0 - 300 + 5 * k
+        for kind, host in HOSTS.items():
+            for name, labels, value in _host_series(host, kind, t):
+                if value is not None:
+                    sel = name + "{" + ",".join(f'{a}="{b}"' for a, b in sorted(labels.items())) + "}"
+                    samples.append((sel, t, f"{sel} {value} {t:.0f}"))
+    directory.mkdir()
+    with gzip.open(directory / "samples.om.gz", "wt") as f:  # OpenMetrics: each series' samples together
+        f.write("\n".join([line for *_, line in sorted(samples)] + ["# EOF"]) + "\n")
+    (directory / "scenario.yaml").write_text(f"name: probe-world\nevaluated_at: {T0}\nscrape_interval_s: 5\n"
+                                             "alerts: []\n")
+    return directory
+
+
+def _drill_alert(key: str, **labels: str) -> Alert:
+    th = load()
+    spec = th.alert(key)
+    return Alert(spec.name, {"alertname": spec.name, **rulegen.alert_labels(spec, "drill"), **labels},
+                 rulegen.alert_annotations(th, spec, "drill"))
+
+
+@pytest.fixture(scope="module")
+def probe_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replay]:
+    d = tmp_path_factory.mktemp("probe-world")
+    with Replay(_write_world(d / "scenario"), d / "replay") as rp:
+        yield rp
+
+
+def _probe(host: str, reason: str = "timeout") -> Alert:
+    return _drill_alert("probe_failing", job="stepwatch-sidecar", instance=f"{host}:9465", probe_set="default",
+                        reason=reason)
+
+
+def test_probe_failing_while_the_worker_stalls_joins_the_stall(probe_world: Replay) -> None:
+    host = HOSTS["stall"]
+    stall = _drill_alert("worker_stalled", job="stepwatch-service", instance=f"{host}:8000", pool="small")
+    report = triage([_probe(host), stall], probe_world.prom, at=FREEZE + 35)  # 35 s on a 1.5 s generation
+    assert report.causes == ["worker_hung"] and len(report.incidents) == 1
+    inc = report.incidents[0]
+    assert inc.primary.alert.name == "StepwatchWorkerStalled"
+    [probe] = inc.followers
+    assert probe.cause == "worker_hung" and probe.path == ["service_up", "baseline", "stalled", "stall_answers"]
+    stalled = probe.checks[2]
+    assert stalled.values == [({"instance": f"{host}:8000", "pool": "small"}, 35 / 20)]
+    assert probe.explained_by is not None and probe.explained_by.firing == stall.short()
+    assert "explained by StepwatchWorkerStalled{instance=127.0.0.11:8000, pool=small} (firing" in \
+        render.terminal(report)
+
+
+def test_probe_failing_after_the_restart_still_names_the_stall(probe_world: Replay) -> None:
+    """30 s after the restart the stall alert has resolved and the worker is warm again; the probe's
+    timeouts over its window are still the stall's (the old flow named queue_backlog here)."""
+    host = HOSTS["stall"]
+    report = triage([_probe(host)], probe_world.prom, at=RESTART + 30)
+    d = report.incidents[0].primary
+    assert d.cause == "worker_hung" and d.path == ["service_up", "baseline", "stalled", "stall_answers",
+                                                   "stall_ranks"]
+    checks = {c.id: c for c in d.checks}
+    assert checks["stalled"].values[0][1] == pytest.approx(2.0)  # 40 s: the last scrape before the restart
+    assert checks["restarted"].outcome == checks["timeouts"].outcome == "unhealthy"  # off the path now
+    assert d.explained_by is not None and d.explained_by.firing == ""
+    assert d.explained_by.labels == {"instance": f"{host}:8000", "pool": "small"}
+
+
+@pytest.mark.parametrize("kind, reason, cause", [("backlog", "timeout", "queue_backlog"),
+                                                 ("quiet", "bad_response", None)])
+def test_probe_failing_with_a_healthy_worker_is_unchanged(probe_world: Replay, kind: str, reason: str,
+                                                          cause: str | None) -> None:
+    """Controls: timeouts behind a real backlog stay the queue's; bad answers with nothing else wrong end."""
+    report = triage([_probe(HOSTS[kind], reason)], probe_world.prom, at=RESTART + 30)
+    d = report.incidents[0].primary
+    assert d.cause == cause and d.explained_by is None
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "timeouts"]
+    assert [c.outcome for c in d.checks[2:3]] == ["healthy"] and d.checks[2].values[0][1] < 1  # real data
+

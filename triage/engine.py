@@ -239,6 +239,51 @@ class Candidate:
 
 
 @dataclass
+class Join:
+    """The alert whose incident explains this one, found by a runbook check with ``explained_by``.
+
+    A probe that fails because the worker stalled is the stall's symptom, not a queue of its
+    own; the report has to say so whether or not the stall alert still fires (the service
+    restarts a stalled worker long before the probe alert's ``for:`` has passed).
+    """
+
+    alert: str  # the explaining alert's name
+    labels: dict[str, str]  # where the check found it: the first series that broke it (instance, pool)
+    check: CheckResult  # the check that found it
+    firing: str = ""  # that alert as it fires in this triage (Alert.short()); "" when it does not fire now
+
+    def short(self) -> str:
+        parts = [f"{k}={v}" for k, v in sorted(self.labels.items()) if v]
+        return f"{self.alert}{{{', '.join(parts)}}}" if parts else self.alert
+
+    def text(self) -> str:
+        """``explained by StepwatchWorkerStalled{instance=..., pool=...} (firing: the same incident)``."""
+        state = "firing: the same incident" if self.firing else "not firing at the evaluation time"
+        return (f"explained by {self.firing or self.short()} ({state}; {self.check.runbook} #{self.check.number} "
+                f"{self.check.id} = {self.check.value_text(1)})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"alert": self.alert, "labels": self.labels, "firing": self.firing or None,
+                "check": {"runbook": self.check.runbook, "number": self.check.number, "id": self.check.id},
+                "text": self.text()}
+
+
+def _join_of(rb: Runbook, results: Mapping[str, CheckResult], path: Sequence[str], th: Thresholds,
+             profile: str) -> Join | None:
+    """The first check on the flow's path that went unhealthy and names the alert it is explained by.
+
+    Where: the first series that broke the check's condition (the stalled worker's instance and pool).
+    """
+    for cid in path:
+        c, r = rb.check(cid), results[cid]
+        if c.explained_by and r.outcome == "unhealthy":
+            bad = [lab for lab, x in r.values if math.isnan(x) or not c.healthy.holds(x, th, profile)]
+            labels = {k: v for k, v in (bad[0] if bad else {}).items() if k not in ("__name__", "job")}
+            return Join(c.explained_by, labels, r)
+    return None
+
+
+@dataclass
 class Diagnosis:
     """One alert: its runbook's checks as run, the flow's path, and the ranked causes."""
 
@@ -253,6 +298,7 @@ class Diagnosis:
     cause: str | None = None
     confidence: Confidence = "none"
     error: str | None = None  # no runbook, or nothing could be checked
+    explained_by: Join | None = None  # the alert whose incident this one is a symptom of (runbook's explained_by)
 
     @property
     def could_not_check(self) -> bool:
@@ -304,6 +350,7 @@ class Diagnosis:
                 "runbook": self.runbook.file if self.runbook else None, "runbook_url": self.runbook_url,
                 "panel": self.panel, "cause": self.cause, "confidence": self.confidence, "error": self.error,
                 "path": self.path, "flow_end": self.flow_end, "next_step": self.next_step(),
+                "explained_by": self.explained_by.to_json() if self.explained_by else None,
                 "candidates": [c.to_json() for c in self.candidates],
                 "ruled_out": [{"cause": c, "by": r.id} for c, r in self.ruled_out()],
                 "checks": [c.to_json() for c in self.checks]}
@@ -414,6 +461,7 @@ class Engine:
             results[step.check.id].on_path = True
         d.path = [s.check.id for s in trail]
         d.flow_end = cause or END
+        d.explained_by = _join_of(rb, results, d.path, self.th, profile)
         reached_definitely = bool(trail) and results[trail[-1].check.id].definite
         d.candidates = rank(rb, d.checks, cause, reached_definitely)
         if cause is not None:
@@ -566,6 +614,8 @@ class Incident:
                 "next_step": p.next_step(), "runbook_url": p.runbook_url, "panel": p.panel,
                 "ruled_out": [{"cause": c, "by": r.id, "runbook": r.runbook, "value": r.value_text(),
                                "healthy_when": r.condition} for c, r in self.ruled_out()],
+                "explained_by": [{"symptom": d.alert.short(), **d.explained_by.to_json()}
+                                 for d in self.diagnoses + self.followers if d.explained_by],
                 "diagnoses": [d.to_json() for d in self.diagnoses],
                 "followers": [d.to_json() for d in self.followers],
                 "related": [d.to_json() for d in self.related]}
@@ -584,11 +634,17 @@ def group(diags: Sequence[Diagnosis], thresholds: Thresholds | None = None) -> l
     alert a cause points at is the ``explains`` of the alert definitions (alerts/defs/).
     Alerts whose runbook found no cause join a caused incident on the same host as
     related symptoms (a recompile also lifts the queue); alone, each is its own incident.
+    An alert whose runbook found the alert it is explained by (a check's ``explained_by``:
+    the probe failing behind a stalled worker) follows that alert's incident when it fires
+    on the same host, whatever either cause.
     """
     refers = refers_to(thresholds or _thresholds())
     by_key: dict[tuple[str, str], Incident] = {}
     unexplained: list[Diagnosis] = []
+    joined = [(d, t) for d in diags if (t := _explaining(d, diags)) is not None]
     for d in diags:
+        if any(d is j for j, _ in joined):
+            continue
         if d.cause is None:
             unexplained.append(d)
             continue
@@ -618,8 +674,37 @@ def group(diags: Sequence[Diagnosis], thresholds: Thresholds | None = None) -> l
             home.related.append(d)
         else:
             incidents.append(Incident([d]))
+    for d, target in joined:
+        _follow_explaining(d, target, incidents)
     return sorted(incidents, key=lambda i: (i.cause is None and not i.could_not_check,
                                             SEVERITY_RANK.get(i.severity, 3), CONFIDENCE_RANK[i.confidence], i.id))
+
+
+def _explaining(d: Diagnosis, diags: Sequence[Diagnosis]) -> Diagnosis | None:
+    """The firing alert ``d``'s runbook found it is explained by, on d's host and with a cause of its own.
+
+    The instance the check found comes first (one host may run more than one service), then
+    the most severe; an alert that is itself explained by another is no home (no chains).
+    """
+    j = d.explained_by
+    if j is None:
+        return None
+    found = [t for t in diags if t is not d and t.alert.name == j.alert and t.alert.host == d.alert.host
+             and t.cause is not None and t.explained_by is None]
+    found.sort(key=lambda t: (t.alert.labels.get("instance") != j.labels.get("instance"),
+                              SEVERITY_RANK.get(t.alert.severity, 3), t.alert.key))
+    return found[0] if found else None
+
+
+def _follow_explaining(d: Diagnosis, target: Diagnosis, incidents: list[Incident]) -> None:
+    """``d`` becomes a follower of the incident holding ``target``, its join marked as firing."""
+    home = next((i for i in incidents if any(x is target for x in i.diagnoses + i.followers)), None)
+    if home is None:  # cannot happen (a target has a cause, so an incident holds it); never lose an alert
+        incidents.append(Incident([d]))
+        return
+    if d.explained_by is not None:
+        d.explained_by.firing = target.alert.short()
+    home.followers.append(d)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import sys
 from typing import IO
 
 from stepwatch.runbooks.parse import CAUSES
-from stepwatch.triage.engine import CheckResult, Incident, Report
+from stepwatch.triage.engine import CheckResult, Diagnosis, Incident, Report
 
 MARK = {"unhealthy": "✗", "healthy": "✓", "unknown": "?", "error": "!"}
 _COLORS = {"red": "31", "yellow": "33", "green": "32", "bold": "1", "dim": "2", "cyan": "36"}
@@ -41,6 +41,22 @@ def _check_line(c: CheckResult, paint: _Paint) -> str:
             f"  (healthy when {c.condition})  {paint(where, 'dim')}")
 
 
+def _follower(d: Diagnosis) -> str:
+    """A follower for one line: its alert and cause, and the alert it is explained by when a check found one."""
+    why = f"{d.cause}; {d.explained_by.text()}" if d.explained_by else f"{d.cause}"
+    return f"{d.alert.short()} ({why})"
+
+
+def joins(inc: Incident) -> list[str]:
+    """``<alert> is explained by <other alert> (...)`` for each of the incident's alerts whose runbook found one.
+
+    The join is the point of the check (a failing probe is the stall's symptom): said in words,
+    not left to the reader to infer from two alerts sharing a cause.
+    """
+    return [f"{d.alert.short()} is {d.explained_by.text()}" for d in inc.diagnoses + inc.followers
+            if d.explained_by is not None]
+
+
 def incident_terminal(inc: Incident, color: bool = False, index: int | None = None) -> str:
     paint = _Paint(color)
     p = inc.primary
@@ -62,7 +78,8 @@ def incident_terminal(inc: Incident, color: bool = False, index: int | None = No
     names = [d.alert.short() for d in inc.diagnoses]
     lines.append(f"  alerts: {', '.join(names)}")
     if inc.followers:
-        lines.append("  follows from it: " + ", ".join(f"{d.alert.short()} ({d.cause})" for d in inc.followers))
+        lines.append("  follows from it: " + ", ".join(_follower(d) for d in inc.followers))
+    lines += [f"  {d.alert.short()} is {d.explained_by.text()}" for d in inc.diagnoses if d.explained_by]
     if inc.related:
         lines.append(f"  also firing (no cause of their own): {', '.join(d.alert.short() for d in inc.related)}")
     ev = inc.evidence(4) if inc.cause else [c for c in p.checks if c.on_path][-4:]
@@ -145,6 +162,7 @@ def _md_incident(k: int, inc: Incident) -> list[str]:
         out += [CAUSES.get(inc.cause, ""), ""]
     elif p.error:
         out += [p.error, ""]
+    out += [_md_escape(line) + "." for line in joins(inc)] + ([""] if joins(inc) else [])
     ev = inc.evidence(4) if inc.cause else [c for c in p.checks if c.on_path]
     if ev and not inc.could_not_check:
         out += ["| | check | value | healthy when |", "|---|---|---|---|"]
