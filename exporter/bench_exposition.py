@@ -46,13 +46,28 @@ class _FakeRanks:
 
     def __init__(self, world: int) -> None:
         self.world = world
+        self.metrics: Any = None
 
-    def report(self, report: Any, metrics: Any) -> None:
-        steps = len(report.step_seconds)
+    def bind(self, metrics: Any) -> None:
+        self.metrics = metrics
+
+    def begin_request(self) -> int:
+        return 0
+
+    def end_request(self) -> None:
+        pass
+
+    def report(self, report: Any, _request: int) -> None:
+        steps, m = len(report.step_seconds), self.metrics
         if not steps:
             return
-        busy = sum(report.step_seconds) / steps
-        publish_ranks([(busy * (1 + r / 100), steps) for r in range(self.world)], report, metrics)
+        per_step = [sum(report.step_seconds) / steps * (1 + r / 100) for r in range(self.world)]
+        publish_ranks(per_step, m)
+        for r, busy in enumerate(per_step):
+            m.rank_busy_seconds_total.labels(rank=str(r)).inc(busy * steps)
+            m.rank_steps_total.labels(rank=str(r)).inc(steps)
+            m.rank_progress_age_seconds.labels(rank=str(r)).set(0)
+            m.rank_collective_wait_seconds.labels(rank=str(r)).set(0)
 
 
 def _shapes(n: int) -> list[tuple[int, int]]:

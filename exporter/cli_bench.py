@@ -12,6 +12,8 @@ the median of the paired instrumented/bare request times, each with a bootstrap
 model's few-step shape and FirstBlockCache with true CFG.  ``--hooks-only``
 measures just the hooks' own cost on a stub pipeline with no compute (seconds):
 per extra step (``hooks_per_step_us``) and once per request, per configuration.
+The ``two_ranks`` case runs two gloo ranks with the rank timing of today and of
+before side by side (exporter/bench_ranks.py).
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from typing import Any
 
 from stepwatch.exporter import bench
 
+TWO_RANKS = "two_ranks"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cases", nargs="+", default=list(bench.DEFAULT_CASES), metavar="CASE",
+    p.add_argument("--cases", nargs="+", default=[*bench.DEFAULT_CASES, TWO_RANKS], metavar="CASE",
                    help="real-pipeline cases: " + "; ".join(f"{k} = {c.shape}" + (f" with {c.cache}" if c.cache !=
                                                                                     "none" else "")
                                                             for k, c in bench.REAL_CASES.items())
-                   + "; or SIZExSTEPS for a plain square case (default: all named cases)")
+                   + f"; or SIZExSTEPS for a plain square case; {TWO_RANKS} = two ranks, the rank timing now vs "
+                   "before vs bare (default: all named cases)")
     p.add_argument("--rounds", type=int, default=0,
                    help="interleaved rounds per case (default: 160 up to 256^2, 48 up to 512^2, else 24)")
     p.add_argument("--hooks-only", action="store_true",
@@ -61,6 +66,19 @@ def _run_cases(cases: list[tuple[str, bench.RealCase]], args: argparse.Namespace
     return results
 
 
+def _two_ranks(rounds: int) -> dict[str, Any]:
+    from stepwatch.exporter import bench_ranks  # spawns two gloo ranks
+
+    print(f"  running {TWO_RANKS}: two gloo ranks, bare / rank timing before / now, {rounds} rounds...",
+          file=sys.stderr)
+    r = bench_ranks.two_rank_case(rounds)
+    ms = r["request_ms"]
+    print(f"two ranks {r['shape']}: request ms bare {ms['bare']:.1f}, before {ms['before']:.1f}, now {ms['now']:.1f}; "
+          f"now/before {r['ratio_now_to_before']:.4f} {r['ratio_now_to_before_ci95']}, "
+          f"now/bare {r['ratio_now_to_bare']:.4f} {r['ratio_now_to_bare_ci95']}")
+    return r
+
+
 def _stub_cases() -> dict[str, dict[str, Any]]:
     """The stub rows per configuration: the hooks' cost per step (hot path, the slope over request
     length) apart from the fixed per-request cost, which a short request spreads over few steps."""
@@ -77,11 +95,12 @@ def _stub_cases() -> dict[str, dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     try:
-        cases = [bench.parse_case(c) for c in args.cases]
+        cases = [bench.parse_case(c) for c in args.cases if c != TWO_RANKS]
     except ValueError as e:
         print(f"bench overhead: {e}", file=sys.stderr)
         return 2
     results = [] if args.hooks_only else _run_cases(cases, args)
+    ranks = None if args.hooks_only or TWO_RANKS not in args.cases else _two_ranks(args.rounds or 40)
     print("measuring the hooks' own cost on a stub pipeline (no compute)...", file=sys.stderr)
     hooks = bench.hooks_cost()
     print(f"hooks alone (stub pipeline, 4 steps): {hooks['request_us']:.1f} us per request, "
@@ -98,5 +117,6 @@ def run(args: argparse.Namespace) -> int:
             "hooks_only": hooks,
             "hooks_per_step_us": {name: r["per_step_us"] for name, r in stub.items()},
             "stub_cases": stub,
+            "two_ranks": ranks,
         }))
     return 0

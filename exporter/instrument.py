@@ -118,7 +118,7 @@ def _cuda_peak_flops(device: str) -> float | None:
 
 
 class _Unresolved:
-    """What the rank gather is given for a request that could not be resolved: no steps."""
+    """What the rank reporter is given for a request that could not be resolved: no steps."""
 
     __slots__ = ()
     step_seconds: tuple[float, ...] = ()
@@ -157,6 +157,8 @@ class Instrumentation:
         self._find_cache = caches.CacheFinder()
         self._components_key: tuple[int, ...] = ()
         self.peak_flops = options.peak_flops
+        if options.rank_reporter is not None:
+            options.rank_reporter.bind(self.metrics)
         self._setup_static()
         self._resolve_ctx = ResolveContext(
             seconds=self.clock.seconds, labeler=self.labeler, device=self.memory.device, peak_flops=self.peak_flops,
@@ -307,6 +309,8 @@ class Instrumentation:
                         parent_ctx=spans.capture_parent() if self._tracer is not None else None,
                         cache=self._find_cache(den) if den is not None else None)
         req.capacity = self.memory.capacity_bytes()
+        if self.options.rank_reporter is not None:
+            req.rank_request = self.options.rank_reporter.begin_request()
         self.memory.reset_peak()
         self._local.req = req
         self._local.prev_sink = WATCH.set_sink(lambda s, d: req.compiles.append((s, d)))
@@ -324,9 +328,7 @@ class Instrumentation:
             self._record_failure(req, exc)
         phase = self.phase
         if self.options.rank_reporter is not None:
-            # Ranks gather per request: every rank must report in request order, on this thread, before
-            # the next request's collectives.  The host already waited for the output; this wait is free.
-            self.clock.wait(req.end)
+            self._guarded("ranks", self.options.rank_reporter.end_request)
         if self.clock.ready(req.end):
             self._emit(req, phase)
         else:
@@ -362,16 +364,14 @@ class Instrumentation:
             r = resolve(req, phase, self._resolve_ctx)
         except Exception as e:
             self._guard.fail("resolve", e)
-            if self.options.rank_reporter is not None:
-                # The rank gather is a collective: a rank that skipped it would leave the others waiting in
-                # it, so a request this rank cannot resolve still joins, with no steps (nothing published).
-                self._guarded("ranks", self.options.rank_reporter.report, _UNRESOLVED, self.metrics)
+            if self.options.rank_reporter is not None:  # so the other ranks' stamps of it are let go
+                self._guarded("ranks", self.options.rank_reporter.report, _UNRESOLVED, req.rank_request)
             return
         report = self.last_report = r.report
         self._guarded("emit.metrics", self.publisher.publish, report)
         self._guarded("emit.spans", spans.emit, self._tracer, report, req.parent_ctx, r.stage_bounds, r.step_bounds)
         if self.options.rank_reporter is not None:
-            self._guarded("ranks", self.options.rank_reporter.report, report, self.metrics)
+            self._guarded("ranks", self.options.rank_reporter.report, report, req.rank_request)
         if self.options.on_report is not None:
             self._guarded("on_report", self.options.on_report, report)
 

@@ -66,6 +66,7 @@ class RequestMarks:
     error: str | None = None
     oom_demand: int | None = None
     batch_cfg: bool | None = None  # the pipeline's do_classifier_free_guidance, read once at request end
+    rank_request: int = -1  # this request's index on the rank reporter's timeline (see exporter/ranks.py)
     add: Callable[[Any], None] = field(init=False, repr=False)
     take: Callable[[], dict[str, Any]] | None = field(init=False, repr=False)
 

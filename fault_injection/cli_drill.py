@@ -9,7 +9,7 @@ markdown and a JSON report (with dashboard panels as PNG); exits non-zero when
 any drill fails.
 
 Drills: cache-threshold, off-menu-resolution, vae-tiling-oom (the seeds'
-three), queue-overload, straggler (two ranks), or all.
+three), queue-overload, straggler, straggler-neighbour and worker-stall (two ranks), or all.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ restore -> wait for the alert to resolve -> judge.
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepwatch import httpclient
 from stepwatch.alerts.thresholds import Thresholds, parse_duration
 from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.fault_injection import queries
@@ -35,7 +40,10 @@ from stepwatch.runbooks.parse import load_drills
 from stepwatch.triage.record import record_scenario
 
 SEED_DRILLS = ("cache-threshold", "off-menu-resolution", "vae-tiling-oom")
-ALL_DRILLS = (*SEED_DRILLS, "queue-overload", "straggler")
+ALL_DRILLS = (*SEED_DRILLS, "queue-overload", "straggler", "straggler-neighbour", "worker-stall")
+# A CPU-bound process pinned to one CPU: the straggler the seeds describe ("another process on that GPU").
+BUSY_LOOP = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
+RECOVER_DEADLINE_S = 300.0  # a restarted two-rank worker warms up again before it is ready
 RECORD_BEFORE_S = 150.0  # a recorded scenario starts this long before the injection: the steady baseline
 
 
@@ -88,6 +96,7 @@ class Drill:
     companions: tuple[str, ...] = ()  # thresholds keys of alerts that may fire with it
     silent: tuple[str, ...] = ()  # thresholds keys that must NOT fire
     needs_ranks = 1
+    health_turns_red = False  # the fault itself makes /readyz (or /healthz) fail: checked, not a failure
     description = ""
 
     def __init__(self, th: Thresholds, spec: DrillSpec | None = None, criteria: Criteria | None = None) -> None:
@@ -324,8 +333,103 @@ class Straggler(Drill):
         stack.knobs(**self.restore_knobs({}))
 
 
+def rank_procs(stack: LocalStack, rank: int) -> dict[str, Any]:
+    """The pid and CPUs of one rank, from /v1/stepwatch/info (the worker's ready message)."""
+    procs = stack.info()["worker"].get("ranks") or []
+    for p in procs:
+        if int(p["rank"]) == rank:
+            return dict(p)
+    raise RuntimeError(f"the service reports no rank {rank} (ranks: {procs}); run it with ranks: 2")
+
+
+def start_neighbours(cpus: list[int], per_cpu: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(cpu)]) for cpu in cpus for _ in range(per_cpu)]
+
+
+class StragglerNeighbour(Drill):
+    name = "straggler-neighbour"
+    doc_id = "straggler_neighbour"
+    companions = ("step_time_regression", "queue_wait", "probe_failing")
+    needs_ranks = 2
+    description = ("CPU-bound processes pinned to rank 1's CPUs, no knob touched (another process on that GPU): "
+                   "rank 1 arrives last at every collective; the rank-skew alert must name rank 1.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        spec = self.spec.inject["cpu_neighbours"]
+        rank, per_cpu = int(spec["rank"]), int(spec.get("per_cpu", 1))
+        cpus = [int(c) for c in rank_procs(stack, rank)["cpus"]]
+        r.details["_neighbours"] = start_neighbours(cpus, per_cpu)
+        r.details["neighbour_cpus"] = cpus
+        r.notes.append(f"{per_cpu} CPU-bound process(es) pinned to each of rank {rank}'s CPUs {cpus}")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        fired = [a for a in stack.prom.firing() if self.expected_alert_matches(a)]
+        r.details["slow_ranks"] = sorted({a["labels"].get("rank", "") for a in fired})
+        r.checks["names_the_crowded_rank"] = r.details["slow_ranks"] == [str(self.spec.inject["cpu_neighbours"]
+                                                                             ["rank"])]
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        for p in r.details.pop("_neighbours", []):
+            p.kill()
+            p.wait()
+
+
+class WorkerStall(Drill):
+    name = "worker-stall"
+    doc_id = "worker_stall"
+    companions = ("probe_failing", "error_ratio", "queue_wait", "step_time_regression")
+    needs_ranks = 2
+    health_turns_red = True
+    description = ("One rank frozen with SIGSTOP mid-traffic: the other waits for it in a collective. The stall "
+                   "alert fires, /readyz turns 503, triage names the collective hang and the frozen rank; after "
+                   "SIGCONT (or the service's restart of the worker) the service serves again.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        rank = int(self.spec.inject["freeze"]["rank"])
+        proc = rank_procs(stack, rank)
+        r.details["worker_pid_before"] = stack.info()["worker"]["pid"]
+        os.kill(int(proc["pid"]), signal.SIGSTOP)
+        r.details["_frozen_pid"] = int(proc["pid"])
+        r.notes.append(f"rank {rank} (pid {proc['pid']}) frozen with SIGSTOP")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        code, body = _http_json(stack.service_url + "/readyz")
+        r.details["readyz_while_stalled"] = {"status": code, **(body if isinstance(body, dict) else {})}
+        r.checks["readyz_503_while_stalled"] = code == 503 and bool((body or {}).get("stalled_seconds"))
+        stuck = sorted(stack.prom.query(queries.rank_stuck_outside_collectives()), key=lambda s: -s.value)
+        r.details["rank_stuck_seconds"] = {s.label("rank"): round(s.value, 1) for s in stuck}
+        r.checks["names_the_frozen_rank"] = bool(stuck) and stuck[0].label("rank") == str(
+            self.spec.inject["freeze"]["rank"])
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        pid = r.details.pop("_frozen_pid", None)
+        if pid is None:
+            return
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            r.notes.append("the frozen rank was gone at restore: the service had restarted the worker")
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        deadline = time.time() + RECOVER_DEADLINE_S
+        while time.time() < deadline and not stack.healthy():
+            time.sleep(2)
+        r.checks["recovered"] = stack.healthy()
+        r.details["worker_restarted"] = stack.info()["worker"]["pid"] != r.details.get("worker_pid_before")
+        status, _, _ = stack.generate(size="256x256")
+        r.checks["serves_after_recovery"] = status == 200
+
+
+def _http_json(url: str) -> tuple[int, Any]:
+    try:
+        resp = httpclient.request("GET", url, timeout=10)
+        return resp.status_code, resp.json()
+    except Exception as e:
+        return 0, {"error": f"{type(e).__name__}: {e}"}
+
+
 DRILLS: dict[str, type[Drill]] = {d.name: d for d in (CacheThreshold, OffMenuResolution, VaeTilingOom,
-                                                      QueueOverload, Straggler)}
+                                                      QueueOverload, Straggler, StragglerNeighbour, WorkerStall)}
 
 
 def _scrape_s(th: Thresholds) -> float:
@@ -369,6 +473,7 @@ class _Watch:
 
     seen: set[str] = field(default_factory=set)
     healthy: bool = True
+    went_red: bool = False
     leftover: set[str] = field(default_factory=set)
 
 
@@ -484,17 +589,21 @@ class Runner:
             _attempt(r, "injection", lambda: drill.inject(st, r))
             deadline = r.injected_at + self.criteria.detect_deadline_s
             while time.time() < deadline and not self._poll_alert(drill, r, w):
-                w.healthy = w.healthy and st.healthy()
+                self._look_at_health(w)
                 time.sleep(1.0)
             if r.time_to_detect_s is not None:
                 self._triage(r)
                 _attempt(r, "check while firing", lambda: drill.while_firing(st, r))
             w.seen |= self._firing_names(r)
-            w.healthy = w.healthy and st.healthy()
+            self._look_at_health(w)
         finally:
             r.restored_at = time.time()
             self.progress(f"[{drill.name}] restoring")
             _attempt(r, "restore", lambda: drill.restore(st, r))
+
+    def _look_at_health(self, w: _Watch) -> None:
+        ok = self.stack.healthy()
+        w.healthy, w.went_red = w.healthy and ok, w.went_red or not ok
 
     def _poll_alert(self, drill: Drill, r: DrillResult, w: _Watch) -> bool:
         """One look at Prometheus and the webhook; True once the alert fired and its webhook (if any) came."""
@@ -548,9 +657,12 @@ class Runner:
     def _judge(self, drill: Drill, r: DrillResult, w: _Watch) -> None:
         """The pass/fail checks every drill shares, then the verdict over them and the drill's own."""
         st = self.stack
-        r.checks["healthy_during"] = w.healthy
+        if drill.health_turns_red:  # the orchestrator must see it: red during the fault is the check
+            r.checks["health_red_during"] = w.went_red
+        else:
+            r.checks["healthy_during"] = w.healthy
         r.checks["healthy_after"] = st.healthy()
-        r.service_survived = w.healthy and r.checks["healthy_after"]
+        r.service_survived = (w.healthy or drill.health_turns_red) and r.checks["healthy_after"]
         r.alerts_fired = sorted(w.seen)
         r.ended_at = time.time()
         r.checks["detected"] = r.time_to_detect_s is not None

@@ -54,12 +54,19 @@ def service_requests() -> str:
     return agg("sum", "stepwatch_service_requests_total")
 
 
+def rank_stuck_outside_collectives() -> str:
+    """Per rank: seconds without progress that it did not spend waiting in a collective (the worker-stall
+    drill: the frozen rank is the one with the most; a rank waiting for it has about 0)."""
+    return (f"max by (rank) ({sel('stepwatch_rank_progress_age_seconds')}"
+            f" - {sel('stepwatch_rank_collective_wait_seconds')})")
+
+
 def drill_queries(window: str) -> dict[str, str]:
     """Every query the drills and the baseline calibration run, by name, for one rate window."""
     out = {"mean_step": mean_step(window), "step_by_shape": step_by_shape(window),
            "hit_ratio_by_shape": hit_ratio_by_shape(window), "psnr_p10": psnr_p10(),
            "quality_gate": quality_gate(), "estimated_wait": estimated_wait(),
-           "service_requests": service_requests()}
+           "service_requests": service_requests(), "rank_stuck": rank_stuck_outside_collectives()}
     for name, q in LATENCY_QUANTILES.items():
         out[f"request_{name}"] = request_quantile(q, window)
     return out

@@ -94,6 +94,9 @@ class ServiceConfig:
     queue: QueueConfig = field(default_factory=QueueConfig)
     admin_token: str | None = None
     ranks: int = 1
+    # With ranks: each rank gets its own slice of this process's CPUs, as each rank of a GPU service has its
+    # own GPU; a process beside one rank then slows that rank alone (the straggler drill's neighbour).
+    pin_ranks: bool = True
     baselines: str | None = None  # per-shape step time / hit-rate baselines published as gauges
     request_timeout_seconds: float = 600.0
     # The thresholds file whose alerts.worker_stalled sets the stall limit (/readyz, the worker restart), so
@@ -254,6 +257,7 @@ def _check_limits(cfg: ServiceConfig) -> None:
         raise ConfigError("warmup_steps: must be >= 1")
     if cfg.ranks not in (1, 2):
         raise ConfigError(f"ranks: {cfg.ranks} is not 1 or 2")
+    _check_type(cfg.pin_ranks, bool, "pin_ranks")
     for key in ("max_n", "max_side", "max_pixels", "text_tokens"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}: must be >= 1")

@@ -383,7 +383,9 @@ class Service:
                       for p in self.cfg.all_pools()},
             "default_size": self.cfg.default_size, "default_steps": self.cfg.default_steps,
             "warmup": self.cfg.warmup,
-            "worker": {k: worker.get(k) for k in ("pid", "rss_bytes", "vm_bytes", "budget_bytes")},
+            "worker": {**{k: worker.get(k) for k in ("pid", "rss_bytes", "vm_bytes", "budget_bytes")},
+                       # from the ready message: known even while the worker is stuck and answers nothing
+                       "ranks": (self.worker.ready_info or {}).get("ranks") or []},
             "uptime_seconds": round(time.time() - self.started, 1),
         }
 

@@ -63,6 +63,12 @@ class Ledger(TypedDict):
     text_tokens: int
 
 
+class RankProc(TypedDict):
+    rank: int
+    pid: int
+    cpus: list[int]
+
+
 class ReadyMsg(TypedDict):
     op: Literal["ready"]
     pid: int
@@ -73,6 +79,7 @@ class ReadyMsg(TypedDict):
     budget_bytes: int | None
     setup_seconds: float
     warmup: list[WarmupRun]
+    ranks: list[RankProc]  # with ranks: each rank's process and CPUs (empty with one rank)
 
 
 class FatalMsg(TypedDict):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stepwatch.service.messages import RankProc
 from stepwatch.service.worker import Worker, configure_process, start
 
 log = logging.getLogger("stepwatch.service.ranks")
@@ -43,16 +44,29 @@ def _die_with_parent() -> None:
         log.debug("PR_SET_PDEATHSIG unavailable; a killed rank 0 leaves rank %d to the gloo timeout", os.getpid())
 
 
-def _rank_entry(cfg: dict[str, Any], conn: Connection | None, rank: int, world: int, port: int) -> None:
+def rank_cpus(world: int, pin: bool) -> list[list[int]]:
+    """Each rank's CPUs: a slice of this process's each when pinning (and there are enough), else all."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < world:
+        return [cpus] * world
+    n = len(cpus) // world
+    return [cpus[r * n:(r + 1) * n] for r in range(world)]
+
+
+def _rank_entry(cfg: dict[str, Any], conn: Connection | None, rank: int, world: int, port: int,
+                cpus: list[int], procs: list[RankProc]) -> None:
+    """One rank's process; ``procs`` (every rank's pid and CPUs) is complete on rank 0 only."""
     if rank > 0:
         _die_with_parent()
     configure_process(rank)
+    os.sched_setaffinity(0, cpus)
     if not torch.cuda.is_available():
         torch.accelerator.device_count = lambda: 1
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        torch.set_num_threads(max(1, len(cpus)))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     w = Worker(cfg, conn, rank, world)
+    w.rank_procs = procs
     ready = start(w)
     if ready is None:
         raise SystemExit(f"rank {rank}: set-up failed")
@@ -68,12 +82,18 @@ def ranks_main(cfg: dict[str, Any], conn: Any, world: int) -> None:
     """Entry point of the worker process in multi-rank mode: rank 0 here, ranks 1.. as children."""
     port = _free_port()
     ctx = mp.get_context("spawn")
-    children = [ctx.Process(target=_rank_entry, args=(cfg, None, r, world, port), name=f"stepwatch-rank{r}",
-                            daemon=True) for r in range(1, world)]
-    for c in children:
+    cpus = rank_cpus(world, bool(cfg.get("pin_ranks", True)))
+    procs: list[RankProc] = [{"rank": 0, "pid": os.getpid(), "cpus": cpus[0]}]
+    children = []
+    for r in range(1, world):
+        c = ctx.Process(target=_rank_entry, args=(cfg, None, r, world, port, cpus[r], []),
+                        name=f"stepwatch-rank{r}", daemon=True)
         c.start()
+        children.append(c)
+        procs.append({"rank": r, "pid": int(c.pid or 0), "cpus": cpus[r]})
+    log.info("ranks: %s", ", ".join(f"{p['rank']} pid {p['pid']} cpus {p['cpus']}" for p in procs))
     try:
-        _rank_entry(cfg, conn, 0, world, port)
+        _rank_entry(cfg, conn, 0, world, port, cpus[0], procs)
     finally:
         for c in children:
             c.join(timeout=10)

@@ -46,6 +46,7 @@ from stepwatch.service.messages import (
     GenerateMsg,
     InfoReply,
     Ledger,
+    RankProc,
     ReadyMsg,
     Reply,
     ResultMsg,
@@ -114,6 +115,7 @@ class Worker:
         self.metrics_port = 0
         self.rss_floor = 0  # resident bytes after warm-up or the last trim
         self.rank_delays: dict[int, float] = {}
+        self.rank_procs: list[RankProc] = []  # set by service/ranks.py on rank 0
         self._weights = ""
 
     # ----- set-up ---------------------------------------------------------------------------
@@ -135,7 +137,8 @@ class Worker:
         self._arm_budget()
         return {"op": "ready", "pid": os.getpid(), "metrics_port": self.metrics_port,
                 "fingerprint": self.fingerprint(), "knobs": dict(self.knobs), "ledger": self.ledger_params(),
-                "budget_bytes": self.budget.limit, "setup_seconds": time.perf_counter() - t0, "warmup": warm}
+                "budget_bytes": self.budget.limit, "setup_seconds": time.perf_counter() - t0, "warmup": warm,
+                "ranks": self.rank_procs}
 
     def _build(self) -> None:
         cfg = self.cfg

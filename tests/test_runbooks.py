@@ -198,6 +198,7 @@ def test_judge_and_follow(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
 def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
     drills = parse.load_drills()
     assert [d.id for d in drills] == ["cache_past_gate", "off_menu_resolutions", "vae_tiling_off", "straggler_rank",
+                                      "straggler_neighbour", "worker_stall",
                                       "queue_overload"]
     for d in drills:
         assert d.within == "60s"
@@ -264,7 +265,8 @@ LIVE_EXPOSITIONS = {"exporter": _exporter_exposition}
 # Exporter series that a plain request cannot produce (they need a compile, an OOM, a hook
 # error, or a multi-rank run): declared in the exposition, without samples.
 EVENT_ONLY = {"stepwatch_compile_total", "stepwatch_oom_total", "stepwatch_exporter_errors_total",
-              "stepwatch_rank_step_duration_seconds", "stepwatch_rank_busy_seconds_total", "stepwatch_rank_steps_total"}
+              "stepwatch_rank_step_duration_seconds", "stepwatch_rank_busy_seconds_total", "stepwatch_rank_steps_total",
+              "stepwatch_rank_progress_age_seconds", "stepwatch_rank_collective_wait_seconds"}
 
 
 def _names_used(th: Any, runbooks: dict[str, parse.Runbook]) -> set[str]:

@@ -1,0 +1,159 @@
+"""The rank timing's cost on two real ranks, side by side with the design it replaced.
+
+Two gloo ranks run the tiny FLUX pipeline under Ulysses context parallelism, three variants
+interleaved round by round (the order alternates, the same on both ranks): bare, instrumented
+with the rank timing before issue 18 (host-timed waits summed under a lock, and one blocking
+``all_gather_object`` per request), and instrumented with today's (arrival/departure stamps per
+collective shipped by a thread through the store).  Both instrumented variants run the same
+exporter; only the rank reporter differs.  The stamping wrapper is module-global in diffusers, so
+each variant installs its own just for its request.  Rank 0 times the requests and writes the
+paired ratios.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from stepwatch.exporter.bench import _ci
+from stepwatch.exporter.ranks import _TARGET, RankReporter, publish_ranks
+
+VARIANTS = ("bare", "before", "now")
+
+
+class LegacyRankReporter:
+    """The rank timing as it was: busy = step time minus host-timed waits, gathered per request."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._wait = 0.0
+        self._lock = threading.Lock()
+        self._orig: Any = None
+        self.metrics: Any = None
+
+    def install(self) -> None:
+        mod = importlib.import_module(_TARGET[0])
+        orig = self._orig = getattr(mod, _TARGET[1])
+
+        def timed_wait(tensor: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return orig(tensor)
+            finally:
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    self._wait += dt
+
+        setattr(mod, _TARGET[1], timed_wait)
+
+    def uninstall(self) -> None:
+        if self._orig is not None:
+            setattr(importlib.import_module(_TARGET[0]), _TARGET[1], self._orig)
+            self._orig = None
+
+    def bind(self, metrics: Any) -> None:
+        self.metrics = metrics
+
+    def begin_request(self) -> int:
+        return 0
+
+    def end_request(self) -> None:
+        pass
+
+    def report(self, report: Any, _request: int) -> None:
+        steps = len(report.step_seconds)
+        with self._lock:
+            wait, self._wait = self._wait, 0.0
+        busy = max(0.0, sum(report.step_seconds) - wait) / steps if steps else 0.0
+        values: list[Any] = [None] * self.world
+        self._dist.all_gather_object(values, (busy, steps))
+        if self.rank == 0 and steps:
+            publish_ranks([float(v[0]) for v in values], self.metrics)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pipelines(world: int) -> dict[str, Any]:
+    """Three identical tiny FLUX pipelines split over the ranks; two instrumented."""
+    from diffusers import ContextParallelConfig
+    from prometheus_client import CollectorRegistry
+
+    from stepwatch.exporter import instrument
+    from stepwatch.service.pipeline import build_pipeline
+
+    pipes = {}
+    for name in VARIANTS:
+        pipe = build_pipeline("flux", seed=0)
+        pipe.transformer.set_attention_backend("native")
+        pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        pipes[name] = pipe
+    reporters = {"before": LegacyRankReporter(), "now": RankReporter()}
+    for name, rep in reporters.items():
+        rep.uninstall()  # installed per request below: the wrapper is module-global
+        instrument(pipes[name], registry=CollectorRegistry(), rank_reporter=rep)
+    return {"pipes": pipes, "reporters": reporters}
+
+
+def _rank(rank: int, world: int, port: int, out: str, rounds: int, size: int, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.accelerator.device_count = lambda: 1  # CPU ranks, as service/ranks.py
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    setup = _pipelines(world)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(-2, rounds):  # two warm-up rounds, not timed
+        order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+        for name in order:
+            rep = setup["reporters"].get(name)
+            if rep is not None:
+                rep.install()
+            dist.barrier()
+            t0 = time.perf_counter()
+            setup["pipes"][name]("w1 w2 w3", height=size, width=size, num_inference_steps=steps,
+                                 max_sequence_length=32, output_type="np",
+                                 generator=torch.Generator().manual_seed(max(r, 0)))
+            if r >= 0:
+                times[name].append(time.perf_counter() - t0)
+            if rep is not None:
+                rep.uninstall()
+    setup["reporters"]["now"].close()
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def two_rank_case(rounds: int = 40, size: int = 256, steps: int = 4) -> dict[str, Any]:
+    """Paired ratios of request time: today's rank timing / the previous one, and each / bare."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        mp.spawn(_rank, args=(2, _free_port(), str(out), rounds, size, steps), nprocs=2, join=True)
+        times: dict[str, list[float]] = json.loads(out.read_text())
+    result: dict[str, Any] = {"shape": f"{size}x{size}_{steps}s", "ranks": 2, "rounds": rounds,
+                              "request_ms": {v: round(statistics.median(times[v]) * 1e3, 3) for v in VARIANTS}}
+    for a, b in (("now", "before"), ("now", "bare"), ("before", "bare")):
+        ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
+        lo, hi = _ci(ratios)
+        result[f"ratio_{a}_to_{b}"] = round(statistics.median(ratios), 4)
+        result[f"ratio_{a}_to_{b}_ci95"] = [round(lo, 4), round(hi, 4)]
+    return result

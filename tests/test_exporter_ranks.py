@@ -1,0 +1,257 @@
+"""Rank timing without a collective: stamps, shipping, alignment, the straggler and the stall signals."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from stepwatch.exporter.ranks import Aligner, Chunk, RankReporter, Shipper, StoreChannel, Timeline
+from stepwatch.metrics import MetricSet
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class ListChannel:
+    """Followers' chunks in a list, as the store's queues would hold them."""
+
+    def __init__(self) -> None:
+        self.queue: list[Chunk] = []
+
+    def send(self, chunk: Chunk) -> None:
+        self.queue.append(pickle.loads(pickle.dumps(chunk)))
+
+    def receive(self) -> list[Chunk]:
+        out, self.queue = self.queue, []
+        return out
+
+
+def two_ranks(clock: Clock) -> tuple[RankReporter, RankReporter, ListChannel, CollectorRegistry]:
+    ch, registry = ListChannel(), CollectorRegistry()
+    r0 = RankReporter(channel=ch, interval=None, clock=clock, rank=0, world=2, hook=False)
+    r1 = RankReporter(channel=ch, interval=None, clock=clock, rank=1, world=2, hook=False)
+    r0.bind(MetricSet(registry, "exporter"))
+    return r0, r1, ch, registry
+
+
+def collectives(tls: list[Timeline], clock: Clock, n: int, compute: list[float], late_exit: list[float]) -> None:
+    """``n`` collectives: rank r computes ``compute[r]`` after the previous, leaves ``late_exit[r]`` after the
+    last arrival (its side of the transfer).  Stamps as the wrapped wait would take them."""
+    released = [clock.t] * len(tls)
+    for _ in range(n):
+        arrive = [released[r] + compute[r] for r in range(len(tls))]
+        last = max(arrive)
+        released = [last + 0.001 + late_exit[r] for r in range(len(tls))]
+        for r, tl in enumerate(tls):
+            tl.marks.append((arrive[r], released[r]))
+        clock.t = max(released)
+
+
+def request(r0: RankReporter, r1: RankReporter, clock: Clock, compute: list[float], late_exit: list[float],
+            n: int = 40, steps: int = 4) -> None:
+    for rep in (r0, r1):
+        rep.begin_request()
+    collectives([r0.timeline, r1.timeline], clock, n, compute, late_exit)
+    for rep in (r0, r1):
+        rep.end_request()
+        rep.timeline.steps(rep.timeline.request, steps)
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    v = registry.get_sample_value(name, labels)
+    assert v is not None, name
+    return v
+
+
+def test_a_rank_that_computes_longer_is_named_and_the_ranks_agree_otherwise() -> None:
+    clock = Clock()
+    r0, r1, _ch, registry = two_ranks(clock)
+    request(r0, r1, clock, compute=[0.010, 0.010], late_exit=[0, 0])
+    r1.tick()
+    r0.tick()
+    assert value(registry, "stepwatch_rank_skew_ratio") == pytest.approx(0, abs=1e-9)
+    request(r0, r1, clock, compute=[0.010, 0.013], late_exit=[0, 0])
+    r1.tick()
+    r0.tick()
+    busy0 = value(registry, "stepwatch_rank_step_duration_seconds", rank="0")
+    busy1 = value(registry, "stepwatch_rank_step_duration_seconds", rank="1")
+    assert busy1 / busy0 == pytest.approx(1.3, rel=1e-6)
+    assert value(registry, "stepwatch_rank_skew_ratio") == pytest.approx(0.3, rel=1e-6)
+    assert value(registry, "stepwatch_rank_steps_total", rank="1") == 8
+    assert r0.last == [busy0, busy1] and not r0.aligner.requests
+
+
+def test_a_starved_rank_whose_transfers_drag_is_named_where_busy_minus_wait_is_not() -> None:
+    """The operator's case: rank 1 computes as fast, but leaves each collective 3 ms late (its side of
+    the transfer runs on the starved CPU).  Its arrivals are late; its own waits look short."""
+    clock = Clock()
+    r0, r1, _ch, registry = two_ranks(clock)
+    request(r0, r1, clock, compute=[0.010, 0.010], late_exit=[0, 0.003])
+    for tl in (r0.timeline, r1.timeline):  # the old measure: step time minus time waiting in collectives
+        marks = next(iter(tl.by_request.values()))
+        tl.old = sum(a - b for (a, _), (_, b) in zip(marks[1:], marks[:-1], strict=True))
+    assert abs(r1.timeline.old / r0.timeline.old - 1) < 0.01  # blind to it
+    r1.tick()
+    r0.tick()
+    assert value(registry, "stepwatch_rank_skew_ratio") == pytest.approx(0.3, rel=0.01)
+    assert value(registry, "stepwatch_rank_busy_seconds_total", rank="1") > value(
+        registry, "stepwatch_rank_busy_seconds_total", rank="0") * 1.25
+
+
+def test_busy_time_is_published_during_a_long_request_not_only_at_its_end() -> None:
+    clock = Clock()
+    r0, r1, _ch, registry = two_ranks(clock)
+    for rep in (r0, r1):
+        rep.begin_request()
+    collectives([r0.timeline, r1.timeline], clock, 20, [0.01, 0.02], [0, 0])
+    r1.tick()
+    r0.tick()
+    first = value(registry, "stepwatch_rank_busy_seconds_total", rank="1")
+    assert first == pytest.approx(19 * 0.02, rel=0.01)
+    collectives([r0.timeline, r1.timeline], clock, 20, [0.01, 0.02], [0, 0])
+    r1.tick()
+    r0.tick()
+    assert value(registry, "stepwatch_rank_busy_seconds_total", rank="1") == pytest.approx(39 * 0.02, rel=0.01)
+    assert registry.get_sample_value("stepwatch_rank_step_duration_seconds", {"rank": "1"}) is None
+
+
+def test_a_frozen_rank_shows_as_progress_age_while_the_other_waits_in_its_collective() -> None:
+    clock = Clock()
+    r0, r1, _ch, registry = two_ranks(clock)
+    request(r0, r1, clock, compute=[0.01, 0.01], late_exit=[0, 0])
+    r1.tick()
+    r0.tick()
+    for rep in (r0, r1):
+        rep.begin_request()
+    r1.tick()  # rank 1's last heartbeat: in the request, then it freezes (SIGSTOP) and ships nothing more
+    r0.timeline.in_since = clock.t  # rank 0 arrives at the first collective and waits for rank 1
+    clock.t += 30
+    r0.tick()
+    assert value(registry, "stepwatch_rank_collective_wait_seconds", rank="0") == pytest.approx(30)
+    assert value(registry, "stepwatch_rank_collective_wait_seconds", rank="1") == 0
+    assert value(registry, "stepwatch_rank_progress_age_seconds", rank="1") == pytest.approx(30)
+    r0.timeline.in_since = None  # healthy again: both idle
+    for rep in (r0, r1):
+        rep.end_request()
+    r1.tick()
+    r0.tick()
+    assert value(registry, "stepwatch_rank_progress_age_seconds", rank="1") == 0
+
+
+def test_a_rank_frozen_inside_a_wait_does_not_look_like_the_rank_waiting_for_it() -> None:
+    """SIGSTOP lands mostly inside a wait (gloo's transfers take most of a small step): both ranks' last
+    heartbeats say "in a collective", but only the live one keeps saying it."""
+    clock = Clock()
+    r0, r1, _ch, registry = two_ranks(clock)
+    for rep in (r0, r1):
+        rep.begin_request()
+    r0.timeline.in_since = r1.timeline.in_since = clock.t
+    r1.tick()  # rank 1's last heartbeat, then SIGSTOP
+    for _ in range(30):
+        clock.t += 1
+        r0.tick()
+    assert value(registry, "stepwatch_rank_collective_wait_seconds", rank="0") == pytest.approx(30)
+    assert value(registry, "stepwatch_rank_collective_wait_seconds", rank="1") == 0
+    assert value(registry, "stepwatch_rank_progress_age_seconds", rank="1") == pytest.approx(30)
+
+
+def test_a_silent_rank_counts_from_its_last_heartbeat_once_the_others_run_a_request() -> None:
+    clock = Clock()
+    r0, r1, _ch, registry = two_ranks(clock)
+    r1.tick()  # idle, then frozen before the next request
+    clock.t += 1
+    r0.begin_request()
+    r0.timeline.in_since = clock.t
+    clock.t += 20
+    r0.tick()
+    assert value(registry, "stepwatch_rank_progress_age_seconds", rank="1") == pytest.approx(21)
+    assert value(registry, "stepwatch_rank_progress_age_seconds", rank="0") == pytest.approx(20)
+
+
+def test_a_lost_chunk_drops_that_request_and_nothing_else() -> None:
+    clock = Clock()
+    r0, r1, ch, registry = two_ranks(clock)
+    for rep in (r0, r1):
+        rep.begin_request()
+    collectives([r0.timeline, r1.timeline], clock, 10, [0.01, 0.01], [0, 0])
+    r1.tick()
+    ch.queue.clear()  # lost on the way
+    collectives([r0.timeline, r1.timeline], clock, 10, [0.01, 0.01], [0, 0])
+    for rep in (r0, r1):
+        rep.end_request()
+        rep.timeline.steps(0, 4)
+    r1.tick()
+    r0.tick()
+    assert not r0.aligner.requests
+    request(r0, r1, clock, compute=[0.01, 0.02], late_exit=[0, 0])
+    r1.tick()
+    r0.tick()
+    assert value(registry, "stepwatch_rank_skew_ratio") == pytest.approx(1.0, rel=0.01)
+
+
+def test_shipping_never_raises_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken:
+        def send(self, chunk: Chunk) -> None:
+            raise ConnectionError("store gone")
+
+        def receive(self) -> list[Chunk]:
+            raise ConnectionError("store gone")
+
+    r1 = RankReporter(channel=Broken(), interval=None, rank=1, world=2, hook=False)
+    r1.tick()
+    r1.tick()
+    assert sum("shipping rank timings failed" in r.message for r in caplog.records) == 1
+
+
+def test_a_shipper_sends_each_stamp_once_and_lets_a_finished_request_go() -> None:
+    clock = Clock()
+    tl = Timeline(clock)
+    sh = Shipper(tl, 1)
+    tl.begin()
+    tl.marks.append((1.0, 2.0))
+    c1 = sh.cut()
+    tl.marks.append((3.0, 4.0))
+    tl.end()
+    c2 = sh.cut()
+    tl.steps(0, 2)
+    c3 = sh.cut()
+    assert list(c1.marks[0][1]) == [1.0, 2.0] and c2.marks[0] == (1, c2.marks[0][1])
+    assert list(c2.marks[0][1]) == [3.0, 4.0] and c3.ended == {0: 2} and not tl.by_request
+
+
+def test_the_store_channel_carries_chunks_through_a_real_tcpstore() -> None:
+    import torch.distributed as dist
+
+    from tests.test_service_ranks import _free_port
+
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    follower, leader = StoreChannel(client, 2), StoreChannel(server, 2)
+    assert leader.receive() == []
+    follower.send(Chunk(1, 5.0, inflight=True))
+    follower.send(Chunk(1, 6.0))
+    got = leader.receive()
+    assert [(c.rank, c.sent, c.inflight) for c in got] == [(1, 5.0, True), (1, 6.0, False)]
+    assert leader.receive() == []
+
+
+def test_the_aligner_charges_from_the_earliest_release(monkeypatch: Any) -> None:
+    a = Aligner(2, Clock())
+    a.add(Chunk(0, 0.0, marks={0: (0, _flat([(0, 1), (2, 3), (4, 5)]))}))
+    a.add(Chunk(1, 0.0, marks={0: (0, _flat([(0.5, 1), (2.5, 3.5), (5, 5.5)]))}))
+    assert a.charge() == {0: pytest.approx(1 + 1), 1: pytest.approx(1.5 + 2)}
+
+
+def _flat(pairs: list[tuple[float, float]]) -> Any:
+    from array import array
+
+    return array("d", [t for p in pairs for t in p])
