@@ -143,7 +143,8 @@ def test_cause_vocabulary_is_shared_and_documented(th: Any, runbooks: dict[str, 
 def test_explained_by_names_another_alert(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
     names = {a.name for a in th.alerts.values()}
     joins = {(rb.alert, c.id): c.explained_by for rb in runbooks.values() for c in rb.checks if c.explained_by}
-    assert joins == {("StepwatchQualityProbeFailing", "stalled"): "StepwatchWorkerStalled"}
+    assert joins == {("StepwatchQualityProbeFailing", "stalled"): "StepwatchWorkerStalled",
+                     ("StepwatchQueueWaitHigh", "stalled"): "StepwatchWorkerStalled"}
     for (alert, _cid), target in joins.items():
         assert target in names and target != alert
 
@@ -166,6 +167,38 @@ def test_probe_stall_check_restates_the_stall_alerts_limit(th: Any, runbooks: di
     with pytest.raises(RunbookError, match=r"unknown placeholder \$\{no_such_setting.worker_stalled\}"):
         parse.Check(1, "x", "x?", "", "${no_such_setting.worker_stalled}", parse.Condition("<", "1"), "end",
                     "end").render({}, th)
+
+
+STALL_CHECKS = ("stalled", "stall_answers", "stall_ranks")
+
+
+def test_queue_stall_checks_are_the_probes(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
+    """queue-wait-high.md #1-#3 are a copy of quality-probe-failing.md #3-#5 (the runbook format has no
+    includes): the same conditions, branches, causes and join, and the same queries but for two words: this
+    instance instead of the probe's host (the queue and the worker's gauges are one target), and the restart
+    check's lookback instead of the probe alert's window (a backlog outlives the stall that built it, and the
+    restart check must never see a restart whose stall this check has forgotten). The stall limit is the
+    rule's, in both profiles."""
+    from stepwatch.alerts.defs.service import stall_floor
+
+    queue, probe = runbooks["StepwatchQueueWaitHigh"], runbooks["StepwatchQualityProbeFailing"]
+    assert [c.id for c in queue.checks[:3]] == list(STALL_CHECKS) and queue.checks[3].id == "pool_wide"
+    lookback = "${diagnosis.change_lookback}"
+    assert lookback in queue.check("restarts").query
+    for cid in STALL_CHECKS:
+        q, pr = queue.check(cid), probe.check(cid)
+        assert (q.healthy, q.if_unhealthy, q.empty, q.explained_by) == (pr.healthy, pr.if_unhealthy, pr.empty,
+                                                                         pr.explained_by), cid
+        assert q.if_healthy == ("pool_wide" if cid == "stalled" else pr.if_healthy), cid
+        copied = pr.query.replace('instance=~"{{ $labels.instance_host }}:.*"', 'instance="{{ $labels.instance }}"')
+        assert q.query == copied.replace("${window}", lookback), cid
+    spec = th.alert("worker_stalled")
+    for p in PROFILES:
+        rendered = queue.check("stalled").render({"instance": "10.0.0.1:8000", "pool": "large"}, th, p)
+        expected = promql.sel("stepwatch_worker_expected_seconds", 'instance="10.0.0.1:8000"')
+        assert promql.floored_multiple(expected, spec.threshold, stall_floor(spec, p)) in rendered, (p, rendered)
+        assert f"[{th.diagnosis['change_lookback']}:{th.profiles[p].scrape_interval}]" in rendered
+        assert 'pool="' not in rendered  # a stall on any pool holds the one worker, so every pool's queue
 
 
 def test_every_path_ends(runbooks: dict[str, parse.Runbook]) -> None:

@@ -361,6 +361,103 @@ def test_probe_failures_with_nothing_else_wrong_end_as_before(stall: float | Non
     assert "escalate" in d.next_step() and "sidecar log" in d.next_step()
 
 
+# ----- a high queue wait joined to the worker stall that built it (queue-wait-high.md #1-#3) -----------
+
+def _queue(pool: str = "small") -> Alert:
+    return _alert("queue_wait", instance=SVC, pool=pool)
+
+
+def _queue_world(stall: float | None, *, answers: float | None = 1.0, ranks: float | None = None,
+                 pool_wide: float = 0.9, slower: float = 1.0, restarts: float = 0.0,
+                 ready: float = 1.0) -> list[tuple[str, Any]]:
+    """The service as the queue runbook and the stall runbook read it: ``stall`` is the worker's time on its
+    generation over the stall limit (None: a service without the gauges); ``pool_wide`` the pool's least
+    estimated wait / SLO (over the alert's threshold: every instance of the pool is over the line)."""
+    return [
+        (r"max_over_time\(\(\s*stepwatch_worker_busy_seconds",
+         None if stall is None else Sample({"instance": SVC, "pool": "small"}, stall)),
+        (r"stepwatch_exporter_build_info", answers),
+        (r"stepwatch_rank_steps_total", ranks),
+        (r"stepwatch_queue_estimated_wait_seconds:slo_ratio", pool_wide),
+        (r"stepwatch_pipeline_step_duration_seconds_sum", slower),
+        (r"stepwatch_worker_restarts_total", restarts),
+        (r"stepwatch_worker_up", 1.0),
+        (r"stepwatch_service_ready", ready),
+    ]
+
+
+def test_queue_behind_a_stalled_worker_follows_the_stall() -> None:
+    # Frozen worker (its metrics gone), the stall alert firing, every instance of the pool over the line: the
+    # queue grew behind the stuck generation, not for lack of capacity (before: under_provisioned).
+    stall = _alert("worker_stalled", instance=SVC, pool="small")
+    rules = _queue_world(1.75, answers=None)
+    report = Engine(StubProm(rules), TH).run([_queue(), stall])  # type: ignore[arg-type]
+    assert len(report.incidents) == 1 and report.causes == ["worker_hung"]
+    inc = report.incidents[0]
+    assert inc.primary.alert.name == "StepwatchWorkerStalled" and inc.primary.path == ["alive", "answers"]
+    assert [(d.alert.name, d.cause) for d in inc.followers] == [("StepwatchQueueWaitHigh", "worker_hung")]
+    queue = inc.followers[0]
+    assert queue.path == ["stalled", "stall_answers"] and queue.confidence == "high"
+    assert next(c for c in queue.checks if c.id == "pool_wide").outcome == "unhealthy"  # off the path now
+    join = queue.explained_by
+    assert join is not None and join.alert == "StepwatchWorkerStalled" and join.firing == stall.short()
+    assert join.labels == {"instance": SVC, "pool": "small"} and join.check.id == "stalled"
+    text = render.terminal(report)
+    assert ("follows from it: StepwatchQueueWaitHigh{instance=127.0.0.1:8000, pool=small} (worker_hung; explained "
+            "by StepwatchWorkerStalled{instance=127.0.0.1:8000, pool=small} (firing: the same incident; "
+            "queue-wait-high.md #1 stalled = 1.75))") in text
+    j = report.to_json()["incidents"][0]
+    assert [(x["symptom"], x["alert"], x["firing"]) for x in j["explained_by"]] == [
+        (queue.alert.short(), "StepwatchWorkerStalled", stall.short())]
+
+
+def test_queue_after_a_stall_names_it_when_its_alert_has_resolved() -> None:
+    # The service restarted the two-rank worker at twice the limit (the stall alert resolved) and the backlog
+    # still drains: the stall in the lookback explains the queue, ahead of the restart it caused (before:
+    # worker_crashed).
+    rules = _queue_world(2.0, ranks=2.0, restarts=1.0)
+    report = triage([_queue()], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
+    inc = report.incidents[0]
+    assert report.causes == ["collective_hang"] and inc.primary.path == ["stalled", "stall_answers", "stall_ranks"]
+    assert next(c for c in inc.primary.checks if c.id == "restarts").outcome == "unhealthy"  # off the path now
+    join = inc.primary.explained_by
+    assert join is not None and join.firing == ""
+    assert join.short() == "StepwatchWorkerStalled{instance=127.0.0.1:8000, pool=small}"
+    lines = render.terminal(report).splitlines()
+    assert ("  StepwatchQueueWaitHigh{instance=127.0.0.1:8000, pool=small} is explained by "
+            "StepwatchWorkerStalled{instance=127.0.0.1:8000, pool=small} (not firing at the evaluation time; "
+            "queue-wait-high.md #1 stalled = 2)") in lines
+    assert "Worker stalled" in inc.primary.next_step()
+
+
+def test_queue_restart_without_a_stall_is_still_the_crash() -> None:
+    """A restart with no stall in the lookback (a crash) stays ``worker_crashed``, as before the stall checks."""
+    report = triage([_queue()], StubProm(_queue_world(0.02, restarts=1.0)), thresholds=TH)  # type: ignore[arg-type]
+    d = report.incidents[0].primary
+    assert (d.cause, d.confidence, d.explained_by) == ("worker_crashed", "high", None)
+    assert d.path == ["stalled", "pool_wide", "slower", "restarts"]
+
+
+@pytest.mark.parametrize("stall, pool_wide, cause, confidence, path", [
+    # a real backlog behind a worker well within its limit: the whole pool short of capacity, or one instance
+    (0.08, 0.9, "under_provisioned", "medium", ["pool_wide", "slower", "restarts", "not_ready"]),
+    (0.08, 0.3, "queue_backlog", "medium", ["pool_wide"]),
+    # nothing else wrong: a service without the stall gauges, an idle worker
+    (None, 0.9, "under_provisioned", "medium", ["pool_wide", "slower", "restarts", "not_ready"]),
+    (0.0, 0.9, "under_provisioned", "medium", ["pool_wide", "slower", "restarts", "not_ready"]),
+])
+def test_queue_with_a_healthy_worker_is_unchanged(stall: float | None, pool_wide: float, cause: str,
+                                                  confidence: str, path: list[str]) -> None:
+    """Controls: with no stall the queue runbook names what it named before the stall checks (the same cause,
+    confidence and walk after the first check), and nothing is joined to the stall alert."""
+    rules = _queue_world(stall, pool_wide=pool_wide)
+    report = triage([_queue()], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
+    d = report.incidents[0].primary
+    assert (d.cause, d.confidence, d.explained_by) == (cause, confidence, None)
+    assert d.path == ["stalled", *path]
+    assert "explained by" not in render.terminal(report)
+
+
 # ----- the webhook receiver (triage serve) without a real Prometheus -------------------------------
 
 def _prometheus_and_sink(forwarded: list[dict[str, Any]]) -> httpx.MockTransport:

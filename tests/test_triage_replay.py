@@ -116,8 +116,9 @@ def test_queue_overload_under_provisioned_and_probe_failures_follow(replays: dic
     assert len(report.incidents) == 1
     inc = report.incidents[0]
     assert inc.cause == "under_provisioned" and inc.primary.alert.labels["pool"] == "small"
-    assert inc.primary.path == ["pool_wide", "slower", "restarts", "not_ready"]
-    values = {c.id: c.values[0][1] for c in inc.primary.checks}
+    assert inc.primary.path == ["stalled", "pool_wide", "slower", "restarts", "not_ready"]
+    assert inc.primary.checks[0].outcome == "unknown"  # recorded before the stall gauges: no stall to blame
+    values = {c.id: c.values[0][1] for c in inc.primary.checks if c.values}
     assert values["pool_wide"] > 0.5 and values["slower"] <= 1.2 and values["not_ready"] == 1
     # The prober's requests got 429s behind the same queue: that alert follows from this incident.
     assert [(d.alert.name, d.cause) for d in inc.followers] == [("StepwatchQualityProbeFailing", "queue_backlog")]
@@ -281,6 +282,12 @@ def _host_series(host: str, kind: str, t: float) -> list[tuple[str, dict[str, st
         # a frozen worker answers nothing, its own metrics included, until its successor is up
         ("stepwatch_exporter_build_info", {**svc, "stepwatch": "0"}, None if stall and 0 < since < 50 else 1),
         ("stepwatch_queue_estimated_wait_seconds", pool, 9.0 if kind == "backlog" else 0.5),
+        # the recording rule the queue runbook reads (a replay loads no rules): the stalled host's queue grows
+        # behind the stuck generation and drains after the restart; only the backlog host serves pool large
+        ("instance_pool:stepwatch_queue_estimated_wait_seconds:slo_ratio", pool,
+         {"stall": 1.5 if FREEZE <= t < RESTART + 60 else 0.2, "backlog": 0.9, "quiet": 0.1}[kind]),
+        *([("instance_pool:stepwatch_queue_estimated_wait_seconds:slo_ratio", {**svc, "pool": "large"}, 0.9)]
+          if kind == "backlog" else []),
         ("stepwatch_quality_probe_failures_total", {**probe, "reason": "timeout"}, timeouts),
         ("stepwatch_quality_probe_failures_total", {**probe, "reason": "bad_response"},
          (t - T0 + 300) // 30 if kind == "quiet" else 0),
@@ -366,3 +373,50 @@ def test_probe_failing_with_a_healthy_worker_is_unchanged(probe_world: Replay, k
     assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "timeouts"]
     assert [c.outcome for c in d.checks[2:3]] == ["healthy"] and d.checks[2].values[0][1] < 1  # real data
 
+
+# ----- a high queue wait and the worker behind it, on the same synthetic series -------------------------------
+
+def _queue(host: str, pool: str = "small") -> Alert:
+    return _drill_alert("queue_wait", job="stepwatch-service", instance=f"{host}:8000", pool=pool)
+
+
+def test_queue_wait_while_the_worker_stalls_joins_the_stall(probe_world: Replay) -> None:
+    """The old flow named queue_backlog here (the other instances of the pool are fine)."""
+    host = HOSTS["stall"]
+    stall = _drill_alert("worker_stalled", job="stepwatch-service", instance=f"{host}:8000", pool="small")
+    report = triage([_queue(host), stall], probe_world.prom, at=FREEZE + 35)
+    assert report.causes == ["worker_hung"] and len(report.incidents) == 1
+    inc = report.incidents[0]
+    assert inc.primary.alert.name == "StepwatchWorkerStalled"
+    [queue] = inc.followers
+    assert queue.cause == "worker_hung" and queue.path == ["stalled", "stall_answers"]
+    assert queue.checks[0].values == [({"instance": f"{host}:8000", "pool": "small"}, 35 / 20)]
+    assert queue.explained_by is not None and queue.explained_by.firing == stall.short()
+
+
+def test_queue_wait_after_the_restart_still_names_the_stall(probe_world: Replay) -> None:
+    """30 s after the restart the stall alert has resolved and the backlog still drains: the stall in the
+    lookback explains it, ahead of the restart it caused (which the restart check still sees)."""
+    host = HOSTS["stall"]
+    report = triage([_queue(host)], probe_world.prom, at=RESTART + 30)
+    d = report.incidents[0].primary
+    assert d.cause == "worker_hung" and d.path == ["stalled", "stall_answers", "stall_ranks"]
+    checks = {c.id: c for c in d.checks}
+    assert checks["stalled"].values[0][1] == pytest.approx(2.0)  # 40 s: the last scrape before the restart
+    assert checks["restarts"].outcome == "unhealthy"  # off the path now
+    assert d.explained_by is not None and d.explained_by.firing == ""
+    assert d.explained_by.labels == {"instance": f"{host}:8000", "pool": "small"}
+
+
+@pytest.mark.parametrize("pool, cause, path", [
+    ("small", "queue_backlog", ["stalled", "pool_wide"]),  # only this instance of the pool over the line
+    ("large", "under_provisioned", ["stalled", "pool_wide", "slower", "restarts", "not_ready"]),  # all of them
+])
+def test_queue_wait_with_a_healthy_worker_is_unchanged(probe_world: Replay, pool: str, cause: str,
+                                                       path: list[str]) -> None:
+    """Controls: a real backlog behind a healthy worker stays the queue's, although another instance of the
+    job stalled and restarted (the stall and restart checks read this instance only)."""
+    report = triage([_queue(HOSTS["backlog"], pool)], probe_world.prom, at=RESTART + 30)
+    d = report.incidents[0].primary
+    assert d.cause == cause and d.explained_by is None and d.path == path
+    assert d.checks[0].outcome == "healthy" and d.checks[0].values[0][1] < 1  # real data
