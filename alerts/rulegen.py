@@ -115,8 +115,8 @@ def _ranks_and_errors(w: str) -> list[Recording]:
     requests = "stepwatch_service_requests_total"
     return [
         Recording(f"instance_rank:stepwatch_rank_busy_seconds:mean_rate{w}", busy,
-                  f"each sequence-parallel rank's mean busy seconds per step over {w} (step time minus collective "
-                  "waits; the straggler works longest)"),
+                  f"each sequence-parallel rank's mean busy seconds per step over {w} (release to arrival at each "
+                  "collective, plus waits for a CPU; the straggler's is longest)"),
         Recording(f"instance_rank:stepwatch_rank_busy_seconds:ratio_to_fastest_rate{w}",
                   ratio_to_fastest(busy),
                   f"each rank's busy seconds per step / the fastest rank's, over {w}; 1 = the fastest"),

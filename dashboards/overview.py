@@ -245,7 +245,8 @@ def ranks_row(b: Board) -> None:
                               RATE, "job, instance, rank")
     b.row("Ranks (sequence parallel)")
     b.timeseries(
-        rk.panel, f"""Each rank's busy time per step (step time minus collective waits) over the interval,
+        rk.panel, f"""Each rank's busy time per step (from the group's release by one collective to the rank's
+        arrival at the next, plus its waits for a CPU) over the interval,
         as a share of the fastest rank's, and the last request's ratio (what the alert reads). Healthy: all
         ranks near 100%; the alert line is {pct(1 + rk.threshold)}. Every step waits for the slowest rank:
         check that GPU's clock, temperature, processes and link.""", "percentunit",
@@ -254,9 +255,13 @@ def ranks_row(b: Board) -> None:
            "rank {{rank}} last request")],
         alerts=["rank_skew"], lines=[(1 + rk.threshold, RED)], min_=0)
     b.timeseries(
-        "Per-rank busy time per step", """Seconds each rank works per denoising step (over the interval) and
-        each rank's mean step time in the last request. Healthy: ranks equal. Empty with one rank.""", "s",
+        "Per-rank busy time per step", """Seconds each rank takes per denoising step (over the interval), the
+        part of it its threads waited for a CPU, and each rank's mean in the last request. Healthy: ranks
+        equal. A CPU-wait line far above the others: another process on that rank's CPUs. Empty with one
+        rank.""", "s",
         [T(per_step, "rank {{rank}} busy/step @ {{instance}}"),
+         T(ratio_of_rates(sel("stepwatch_rank_cpu_wait_seconds_total", INST), sel("stepwatch_rank_steps_total", INST),
+                          RATE, "job, instance, rank"), "rank {{rank}} CPU wait/step @ {{instance}}"),
          T(sel("stepwatch_rank_step_duration_seconds", INST), "rank {{rank}} last request")],
         alerts=["rank_skew"], min_=0)
 

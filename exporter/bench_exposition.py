@@ -66,6 +66,7 @@ class _FakeRanks:
         for r, busy in enumerate(per_step):
             m.rank_busy_seconds_total.labels(rank=str(r)).inc(busy * steps)
             m.rank_steps_total.labels(rank=str(r)).inc(steps)
+            m.rank_cpu_wait_seconds_total.labels(rank=str(r)).inc(0)
             m.rank_progress_age_seconds.labels(rank=str(r)).set(0)
             m.rank_collective_wait_seconds.labels(rank=str(r)).set(0)
 

@@ -15,8 +15,13 @@ a stuck rank cannot stop the others from publishing).  Rank 0 aligns the collect
 request q is the same call on every rank) and charges each rank, per collective, the time from the
 group's release by the previous collective (the earliest departure) to its own arrival: the fastest
 rank's share is its compute, the straggler's adds every moment the others waited for it, whatever
-made it late.  ``stepwatch_rank_busy_seconds_total{rank}`` grows every interval, during a request,
-not only at its end; the per-request gauges follow when all ranks have finished a request.
+made it late.  A rank starved of CPU, though, also runs its side of every transfer late: the ranks
+then arrive together and wait together for it, and no arrival time shows who held them up.  So each
+rank also ships how long its threads waited for a CPU (Linux schedstat: runnable, not running), and
+that is charged to it too (``stepwatch_rank_cpu_wait_seconds_total`` on its own as well).  On a GPU
+the same starvation delays the rank's kernel launches.  ``stepwatch_rank_busy_seconds_total{rank}``
+grows every interval, during a request, not only at its end; the per-request gauges follow when all
+ranks have finished a request.
 
 The same stamps give the stall signals: per rank, seconds since it last left a collective while it
 runs a request (``stepwatch_rank_progress_age_seconds``) and seconds inside its current collective
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import pickle
 import threading
 import time
@@ -53,8 +59,11 @@ STALE_HEARTBEAT_S = 5 * INTERVAL_S  # a rank silent this long is not shipping: f
 class Timeline:
     """One rank's stamps: the hot path appends ``(arrival, departure)`` per collective to ``marks``."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self.clock = clock
+    def __init__(self, clock: Callable[[], float] = time.time,
+                 cpu_wait: Callable[[], float | None] = lambda: None) -> None:
+        self.clock, self.cpu_wait = clock, cpu_wait
+        self._cpu_at_begin: float | None = None
+        self.request_cpu_wait: dict[int, float] = {}  # request -> its threads' waits for a CPU during it
         self.request = -1
         self.marks: list[tuple[float, float]] = []
         self.by_request: dict[int, list[tuple[float, float]]] = {}
@@ -68,11 +77,15 @@ class Timeline:
         self.marks = self.by_request[self.request] = []
         self.progress = self.clock()
         self.inflight = True
+        self._cpu_at_begin = self.cpu_wait()  # once per request: a few /proc reads
         return self.request
 
     def end(self) -> None:
         self.inflight = False
         self.ended.setdefault(self.request, None)
+        now, then = self.cpu_wait(), self._cpu_at_begin
+        if now is not None and then is not None:
+            self.request_cpu_wait[self.request] = max(0.0, now - then)
 
     def steps(self, request: int, steps: int) -> None:
         self.ended[request] = steps
@@ -86,9 +99,30 @@ class Chunk:
     sent: float
     marks: dict[int, tuple[int, array[float]]] = field(default_factory=dict)  # request -> (first index, flat)
     ended: dict[int, int] = field(default_factory=dict)  # request -> steps
+    ended_cpu_wait: dict[int, float] = field(default_factory=dict)  # request -> CPU waits during it
     in_since: float | None = None
     progress: float = 0.0
     inflight: bool = False
+    request: int = -1  # the request the rank is on (or last ran)
+    cpu_wait: float | None = None  # cumulative seconds its threads waited for a CPU (None: not on Linux)
+
+
+def runqueue_wait_seconds() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU (Linux schedstat), or None.
+
+    A rank starved of CPU (another process on its CPUs, a throttled host) runs its side of every transfer
+    late: the ranks then arrive together and wait together, and only this shows who held them up."""
+    total = 0
+    try:
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # a thread that just ended
+    except OSError:
+        return None
+    return total / 1e9
 
 
 class Shipper:
@@ -100,7 +134,8 @@ class Shipper:
 
     def cut(self) -> Chunk:
         tl = self.tl
-        c = Chunk(self.rank, tl.clock(), in_since=tl.in_since, progress=tl.progress, inflight=tl.inflight)
+        c = Chunk(self.rank, tl.clock(), in_since=tl.in_since, progress=tl.progress, inflight=tl.inflight,
+                  request=tl.request, cpu_wait=tl.cpu_wait())
         for q, marks in list(tl.by_request.items()):
             start, n = self._sent.get(q, 0), len(marks)  # appends only grow the list: a stable prefix
             if n > start:
@@ -109,6 +144,7 @@ class Shipper:
             steps = tl.ended.get(q)
             if steps is not None:
                 c.ended[q] = steps
+                c.ended_cpu_wait[q] = tl.request_cpu_wait.pop(q, 0.0)
                 del tl.by_request[q], tl.ended[q], self._sent[q]
         return c
 
@@ -159,8 +195,10 @@ class Aligner:
         self.heartbeats: dict[int, Chunk] = {}
         self.last: list[float] = []  # busy seconds per step of each rank, last finished request
         self.last_skew: float | None = None
+        self.cpu_wait: dict[int, float] = {}  # per rank, waited for a CPU since the last take
 
     def add(self, c: Chunk) -> None:
+        prev = self.heartbeats.get(c.rank)
         self.heartbeats[c.rank] = c
         for q, (start, flat) in c.marks.items():
             req = self.requests.setdefault(q, _Request(first_seen=self.clock()))
@@ -169,7 +207,11 @@ class Aligner:
                 req.broken = True  # a lost chunk: this request can no longer be aligned
             have.extend(flat)
         for q, steps in c.ended.items():
-            self.requests.setdefault(q, _Request(first_seen=self.clock())).steps[c.rank] = steps
+            req = self.requests.setdefault(q, _Request(first_seen=self.clock()))
+            req.steps[c.rank] = steps
+            req.busy[c.rank] = req.busy.get(c.rank, 0.0) + c.ended_cpu_wait.get(q, 0.0)
+        if prev is not None and prev.cpu_wait is not None and c.cpu_wait is not None and c.cpu_wait >= prev.cpu_wait:
+            self.cpu_wait[c.rank] = self.cpu_wait.get(c.rank, 0.0) + c.cpu_wait - prev.cpu_wait
 
     def charge(self) -> dict[int, float]:
         """Busy seconds per rank newly charged from the collectives every rank has now stamped."""
@@ -186,6 +228,10 @@ class Aligner:
                     new[r] += dt
             req.done = max(req.done, n)
         return new
+
+    def take_cpu_wait(self) -> dict[int, float]:
+        out, self.cpu_wait = self.cpu_wait, {}
+        return out
 
     def finished(self) -> list[tuple[int, _Request]]:
         """Requests every rank has finished and that are fully charged (or broken, or stale): removed."""
@@ -231,9 +277,9 @@ class RankReporter:
 
     def __init__(self, group: Any = None, channel: Channel | None = None, interval: float | None = INTERVAL_S,
                  clock: Callable[[], float] = time.time, rank: int | None = None, world: int | None = None,
-                 hook: bool = True) -> None:
+                 hook: bool = True, cpu_wait: Callable[[], float | None] = runqueue_wait_seconds) -> None:
         self.rank, self.world = _rank_and_world(group, rank, world)
-        self.timeline = Timeline(clock)
+        self.timeline = Timeline(clock, cpu_wait)
         self.channel = channel if channel is not None or self.world == 1 else _store_channel(self.world)
         self._shipper = Shipper(self.timeline, self.rank)
         self.aligner = Aligner(self.world, clock) if self.rank == 0 else None
@@ -330,11 +376,14 @@ class RankReporter:
         assert self.aligner is not None
         m = self.metrics
         charged = self.aligner.charge()
+        starved = self.aligner.take_cpu_wait()
         finished = self.aligner.finished()
         if m is None:
             return
-        for r, busy in charged.items():
-            m.rank_busy_seconds_total.labels(rank=str(r)).inc(busy)
+        for r in range(self.world):
+            waited = starved.get(r, 0.0)
+            m.rank_busy_seconds_total.labels(rank=str(r)).inc(charged.get(r, 0.0) + waited)
+            m.rank_cpu_wait_seconds_total.labels(rank=str(r)).inc(waited)
         for _q, req in finished:
             finish_request(self.aligner, req, m)
         for r in range(self.world):

@@ -352,7 +352,8 @@ class StragglerNeighbour(Drill):
     companions = ("step_time_regression", "queue_wait", "probe_failing")
     needs_ranks = 2
     description = ("CPU-bound processes pinned to rank 1's CPUs, no knob touched (another process on that GPU): "
-                   "rank 1 arrives last at every collective; the rank-skew alert must name rank 1.")
+                   "rank 1 arrives late or holds up each transfer while its threads wait for a CPU; the rank-skew "
+                   "alert must name rank 1.")
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         spec = self.spec.inject["cpu_neighbours"]
@@ -369,6 +370,12 @@ class StragglerNeighbour(Drill):
                                                                              ["rank"])]
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        w = _rate_window(self.th, stack)
+        try:  # what the alert saw, fired or not: the report then says by how much
+            ratios = stack.prom.query(queries.rank_busy_ratio(w))
+            r.details["rank_busy_ratio_at_restore"] = {s.label("rank"): round(s.value, 3) for s in ratios}
+        except PromError as e:
+            r.notes.append(f"rank ratio query failed: {e}")
         for p in r.details.pop("_neighbours", []):
             p.kill()
             p.wait()

@@ -107,7 +107,11 @@ METRICS: tuple[MetricDef, ...] = (
        "(max - min) / min of the ranks' busy seconds per step in the last request all ranks finished.", ()),
     _m("stepwatch_rank_busy_seconds_total", "counter",
        "Per rank, per collective: from the group's release by the previous collective to this rank's "
-       "arrival; the straggler's is longest; / steps = busy per step.", ("rank",)),
+       "arrival, plus its threads' waits for a CPU; the straggler's is longest; / steps = busy per step.",
+       ("rank",)),
+    _m("stepwatch_rank_cpu_wait_seconds_total", "counter",
+       "Per rank: seconds its threads were runnable but waited for a CPU (Linux schedstat; part of busy).",
+       ("rank",)),
     _m("stepwatch_rank_steps_total", "counter", "Per rank: denoising steps run.", ("rank",)),
     _m("stepwatch_rank_progress_age_seconds", "gauge",
        "Per rank, while it runs a request: seconds since it last left a collective (0 when idle).", ("rank",)),

@@ -34,10 +34,16 @@ class ListChannel:
         return out
 
 
-def two_ranks(clock: Clock) -> tuple[RankReporter, RankReporter, ListChannel, CollectorRegistry]:
+def two_ranks(clock: Clock, cpu_wait: list[float] | None = None,
+              ) -> tuple[RankReporter, RankReporter, ListChannel, CollectorRegistry]:
+    """Two ranks in one process; ``cpu_wait[r]``: rank r's cumulative wait for a CPU (None: not measured)."""
     ch, registry = ListChannel(), CollectorRegistry()
-    r0 = RankReporter(channel=ch, interval=None, clock=clock, rank=0, world=2, hook=False)
-    r1 = RankReporter(channel=ch, interval=None, clock=clock, rank=1, world=2, hook=False)
+
+    def waits(r: int) -> Any:
+        return lambda: None if cpu_wait is None else cpu_wait[r]
+
+    r0 = RankReporter(channel=ch, interval=None, clock=clock, rank=0, world=2, hook=False, cpu_wait=waits(0))
+    r1 = RankReporter(channel=ch, interval=None, clock=clock, rank=1, world=2, hook=False, cpu_wait=waits(1))
     r0.bind(MetricSet(registry, "exporter"))
     return r0, r1, ch, registry
 
@@ -104,6 +110,29 @@ def test_a_starved_rank_whose_transfers_drag_is_named_where_busy_minus_wait_is_n
     assert value(registry, "stepwatch_rank_skew_ratio") == pytest.approx(0.3, rel=0.01)
     assert value(registry, "stepwatch_rank_busy_seconds_total", rank="1") > value(
         registry, "stepwatch_rank_busy_seconds_total", rank="0") * 1.25
+
+
+def test_a_rank_starved_of_cpu_is_named_when_the_ranks_arrive_together() -> None:
+    """The practice stack with a busy loop beside rank 1: arrivals equal, both ranks wait longer inside every
+    transfer, and only rank 1's threads wait for a CPU (measured live: 0.82 s/s against 0.25 on rank 0)."""
+    clock, waits = Clock(), [0.0, 0.0]
+    r0, r1, _ch, registry = two_ranks(clock, waits)
+    for rep in (r1, r0):
+        rep.tick()  # the first heartbeat: the schedstat baseline
+    for rep in (r0, r1):
+        rep.begin_request()
+    collectives([r0.timeline, r1.timeline], clock, 40, [0.010, 0.010], [0, 0])
+    waits[0], waits[1] = 0.10, 0.33
+    for rep in (r0, r1):
+        rep.end_request()
+        rep.timeline.steps(rep.timeline.request, 4)
+    r1.tick()
+    r0.tick()
+    assert value(registry, "stepwatch_rank_cpu_wait_seconds_total", rank="1") == pytest.approx(0.33)
+    busy0 = value(registry, "stepwatch_rank_busy_seconds_total", rank="0")
+    busy1 = value(registry, "stepwatch_rank_busy_seconds_total", rank="1")
+    assert busy1 - busy0 == pytest.approx(0.23, rel=0.01)  # arrivals equal: the CPU waits make the difference
+    assert value(registry, "stepwatch_rank_skew_ratio") > 0.1 and r0.last[1] > r0.last[0]
 
 
 def test_busy_time_is_published_during_a_long_request_not_only_at_its_end() -> None:

@@ -299,7 +299,8 @@ LIVE_EXPOSITIONS = {"exporter": _exporter_exposition}
 # error, or a multi-rank run): declared in the exposition, without samples.
 EVENT_ONLY = {"stepwatch_compile_total", "stepwatch_oom_total", "stepwatch_exporter_errors_total",
               "stepwatch_rank_step_duration_seconds", "stepwatch_rank_busy_seconds_total", "stepwatch_rank_steps_total",
-              "stepwatch_rank_progress_age_seconds", "stepwatch_rank_collective_wait_seconds"}
+              "stepwatch_rank_progress_age_seconds", "stepwatch_rank_collective_wait_seconds",
+              "stepwatch_rank_cpu_wait_seconds_total"}
 
 
 def _names_used(th: Any, runbooks: dict[str, parse.Runbook]) -> set[str]:
