@@ -19,12 +19,13 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from stepwatch.exporter.bench import _ci
-from stepwatch.exporter.ranks import _TARGET, RankReporter, publish_ranks
+from stepwatch.exporter.ranks import _TARGET, RankReporter, Timeline, publish_ranks, stamping
 
 VARIANTS = ("bare", "before", "now")
 
@@ -32,11 +33,12 @@ VARIANTS = ("bare", "before", "now")
 class LegacyRankReporter:
     """The rank timing as it was: busy = step time minus host-timed waits, gathered per request."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int | None = None, world: int | None = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world = dist.get_world_size() if world is None else world
         self._wait = 0.0
         self._lock = threading.Lock()
         self._orig: Any = None
@@ -44,7 +46,11 @@ class LegacyRankReporter:
 
     def install(self) -> None:
         mod = importlib.import_module(_TARGET[0])
-        orig = self._orig = getattr(mod, _TARGET[1])
+        self._orig = getattr(mod, _TARGET[1])
+        setattr(mod, _TARGET[1], self.timing(self._orig))
+
+    def timing(self, orig: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``orig`` with its duration added to the wait under the lock: the old hot path."""
 
         def timed_wait(tensor: Any) -> Any:
             t0 = time.perf_counter()
@@ -55,7 +61,7 @@ class LegacyRankReporter:
                 with self._lock:
                     self._wait += dt
 
-        setattr(mod, _TARGET[1], timed_wait)
+        return timed_wait
 
     def uninstall(self) -> None:
         if self._orig is not None:
@@ -141,6 +147,26 @@ def _rank(rank: int, world: int, port: int, out: str, rounds: int, size: int, st
     dist.destroy_process_group()
 
 
+def per_collective_ns(calls: int = 200_000) -> dict[str, float]:
+    """The hot path alone: one wrapped wait around a no-op, bare / before / now, interleaved (ns per call)."""
+    def noop(t: Any) -> Any:
+        return t
+
+    tl = Timeline()
+    tl.begin()
+    fns = {"bare": noop, "before": LegacyRankReporter(0, 2).timing(noop), "now": stamping(noop, tl)}
+    per: dict[str, list[float]] = {k: [] for k in fns}
+    batch = calls // 20
+    for r in range(20):
+        for name in (VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))):
+            fn, t0 = fns[name], time.perf_counter()
+            for _ in range(batch):
+                fn(None)
+            per[name].append((time.perf_counter() - t0) / batch * 1e9)
+            tl.marks.clear()
+    return {k: round(statistics.median(v), 1) for k, v in per.items()}
+
+
 def two_rank_case(rounds: int = 40, size: int = 256, steps: int = 4) -> dict[str, Any]:
     """Paired ratios of request time: today's rank timing / the previous one, and each / bare."""
     import torch.multiprocessing as mp
@@ -150,7 +176,8 @@ def two_rank_case(rounds: int = 40, size: int = 256, steps: int = 4) -> dict[str
         mp.spawn(_rank, args=(2, _free_port(), str(out), rounds, size, steps), nprocs=2, join=True)
         times: dict[str, list[float]] = json.loads(out.read_text())
     result: dict[str, Any] = {"shape": f"{size}x{size}_{steps}s", "ranks": 2, "rounds": rounds,
-                              "request_ms": {v: round(statistics.median(times[v]) * 1e3, 3) for v in VARIANTS}}
+                              "request_ms": {v: round(statistics.median(times[v]) * 1e3, 3) for v in VARIANTS},
+                              "per_collective_ns": per_collective_ns()}
     for a, b in (("now", "before"), ("now", "bare"), ("before", "bare")):
         ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
         lo, hi = _ci(ratios)

@@ -76,6 +76,9 @@ def _two_ranks(rounds: int) -> dict[str, Any]:
     print(f"two ranks {r['shape']}: request ms bare {ms['bare']:.1f}, before {ms['before']:.1f}, now {ms['now']:.1f}; "
           f"now/before {r['ratio_now_to_before']:.4f} {r['ratio_now_to_before_ci95']}, "
           f"now/bare {r['ratio_now_to_bare']:.4f} {r['ratio_now_to_bare_ci95']}")
+    ns = r["per_collective_ns"]
+    print(f"rank timing per collective (a wrapped no-op wait): bare {ns['bare']:.0f} ns, before {ns['before']:.0f} ns, "
+          f"now {ns['now']:.0f} ns")
     return r
 
 

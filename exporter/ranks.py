@@ -30,7 +30,7 @@ progress age grows outside any is a collective hang, and the latter is the rank 
 
 On CPU (gloo) a rank blocks in the wait, so the stamps are exact.  On CUDA (NCCL) the wait is
 enqueued on the stream: the same design takes the stamps from CUDA events recorded around the
-collective and resolved later (the GPU check documents it); host stamps there read late arrivals
+collective and resolved later (README, "GPU check"); host stamps there read late arrivals
 as early.  Ranks on different hosts compare wall clocks, which NTP/PTP keeps within a millisecond
 or so on a GPU cluster; the stamps of one host are exact.
 """
@@ -266,6 +266,22 @@ class Aligner:
         return age, now - hb.in_since if hb.in_since is not None and not silent else 0.0
 
 
+def stamping(orig: Callable[[Any], Any], tl: Timeline) -> Callable[[Any], Any]:
+    """``orig`` (a collective's wait) with the rank's arrival and departure stamped: the whole hot path."""
+    clock = tl.clock
+
+    def stamped_wait(tensor: Any) -> Any:
+        t0 = tl.in_since = clock()
+        try:
+            return orig(tensor)
+        finally:
+            t1 = tl.progress = clock()
+            tl.in_since = None
+            tl.marks.append((t0, t1))
+
+    return stamped_wait
+
+
 class RankReporter:
     """Installs the stamps on this rank and runs its shipping thread (rank 0: the aligning one).
 
@@ -303,19 +319,9 @@ class RankReporter:
         current = getattr(mod, _TARGET[1])
         if getattr(current, "_stepwatch_rank_reporter", None) is not None:
             return
-        orig, tl, clock = current, self.timeline, self.timeline.clock
-
-        def stamped_wait(tensor: Any) -> Any:
-            t0 = tl.in_since = clock()
-            try:
-                return orig(tensor)
-            finally:
-                t1 = tl.progress = clock()
-                tl.in_since = None
-                tl.marks.append((t0, t1))
-
+        stamped_wait = stamping(current, self.timeline)
         stamped_wait._stepwatch_rank_reporter = self  # type: ignore[attr-defined]
-        self._orig = orig
+        self._orig = current
         setattr(mod, _TARGET[1], stamped_wait)
 
     def uninstall(self) -> None:

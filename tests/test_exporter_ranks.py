@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from stepwatch.exporter.ranks import Aligner, Chunk, RankReporter, Shipper, StoreChannel, Timeline
+from stepwatch.exporter.ranks import Aligner, Chunk, RankReporter, Shipper, StoreChannel, Timeline, stamping
 from stepwatch.metrics import MetricSet
 
 
@@ -284,3 +284,38 @@ def _flat(pairs: list[tuple[float, float]]) -> Any:
     from array import array
 
     return array("d", [t for p in pairs for t in p])
+
+
+def test_the_stamped_wait_records_arrival_and_departure_and_passes_errors_through() -> None:
+    clock = Clock()
+    tl = Timeline(clock)
+    tl.begin()
+
+    def wait(t: Any) -> Any:
+        assert tl.in_since == 1000.0  # inside: the heartbeat says so
+        clock.t += 0.5
+        if t is None:
+            raise RuntimeError("gloo timeout")
+        return t
+
+    stamped = stamping(wait, tl)
+    assert stamped("x") == "x"
+    with pytest.raises(RuntimeError, match="gloo timeout"):
+        clock.t = 1000.0
+        stamped(None)
+    assert tl.marks == [(1000.0, 1000.5), (1000.0, 1000.5)] and tl.in_since is None and tl.progress == 1000.5
+
+
+@pytest.mark.heavy
+def test_bench_overhead_puts_the_rank_timing_beside_the_old_one_on_two_ranks() -> None:
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "stepwatch.cli", "bench", "overhead", "--cases", "two_ranks",
+                        "--rounds", "3", "--json"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])["two_ranks"]
+    assert r["ranks"] == 2 and r["rounds"] == 3 and set(r["request_ms"]) == {"bare", "before", "now"}
+    assert all(v > 0 for v in r["request_ms"].values()) and all(v > 0 for v in r["per_collective_ns"].values())
+    assert {"ratio_now_to_before", "ratio_now_to_bare", "ratio_before_to_bare"} <= set(r)
