@@ -377,6 +377,7 @@ SINGLE_RANK_EMPTY = {
     ("Per-rank step time vs fastest rank", "B"): "one rank",
     ("Per-rank busy time per step", "A"): "one rank",
     ("Per-rank busy time per step", "B"): "one rank",
+    ("Per-rank busy time per step", "C"): "one rank",
 }
 def live_values() -> dict[str, str]:
     return {"instance": ".*", "pool": ".*", "shape": ".*", "__rate_interval": RATE_INTERVAL}
