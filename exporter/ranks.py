@@ -137,11 +137,11 @@ class Shipper:
         c = Chunk(self.rank, tl.clock(), in_since=tl.in_since, progress=tl.progress, inflight=tl.inflight,
                   request=tl.request, cpu_wait=tl.cpu_wait())
         for q, marks in list(tl.by_request.items()):
+            steps = tl.ended.get(q)  # first: once the steps are known no stamp can follow, so n is final
             start, n = self._sent.get(q, 0), len(marks)  # appends only grow the list: a stable prefix
             if n > start:
                 c.marks[q] = (start, array("d", [t for pair in marks[start:n] for t in pair]))
                 self._sent[q] = n
-            steps = tl.ended.get(q)
             if steps is not None:
                 c.ended[q] = steps
                 c.ended_cpu_wait[q] = tl.request_cpu_wait.pop(q, 0.0)
