@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 from stepwatch.catalog import METRICS
 from stepwatch.exporter import instrument
 from stepwatch.exporter.bench import StubPipeline
-from stepwatch.exporter.ranks import publish_ranks
+from stepwatch.exporter.ranks import PerRequestReporter, publish_ranks
 from stepwatch.exporter.sidecar.nvml import NvmlCollector
 from stepwatch.exporter.sidecar.prober import quality_metrics
 from stepwatch.exposition import Renderer
@@ -41,21 +41,11 @@ REQUESTS_PER_SHAPE = 3
 GIB = 1024**3
 
 
-class _FakeRanks:
+class _FakeRanks(PerRequestReporter):
     """Rank 0's publication of ``world`` ranks without a process group: rank r works (1 + r/100) as long."""
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.metrics: Any = None
-
-    def bind(self, metrics: Any) -> None:
-        self.metrics = metrics
-
-    def begin_request(self) -> int:
-        return 0
-
-    def end_request(self) -> None:
-        pass
 
     def report(self, report: Any, _request: int) -> None:
         steps, m = len(report.step_seconds), self.metrics

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from stepwatch.exporter.bench import _ci
-from stepwatch.exporter.ranks import _TARGET, RankReporter, Timeline, publish_ranks, stamping
+from stepwatch.exporter.ranks import _TARGET, PerRequestReporter, RankReporter, Timeline, publish_ranks, stamping
 
 VARIANTS = ("bare", "before", "now")
 
 
-class LegacyRankReporter:
+class LegacyRankReporter(PerRequestReporter):
     """The rank timing as it was: busy = step time minus host-timed waits, gathered per request."""
 
     def __init__(self, rank: int | None = None, world: int | None = None) -> None:
@@ -42,7 +42,6 @@ class LegacyRankReporter:
         self._wait = 0.0
         self._lock = threading.Lock()
         self._orig: Any = None
-        self.metrics: Any = None
 
     def install(self) -> None:
         mod = importlib.import_module(_TARGET[0])
@@ -67,15 +66,6 @@ class LegacyRankReporter:
         if self._orig is not None:
             setattr(importlib.import_module(_TARGET[0]), _TARGET[1], self._orig)
             self._orig = None
-
-    def bind(self, metrics: Any) -> None:
-        self.metrics = metrics
-
-    def begin_request(self) -> int:
-        return 0
-
-    def end_request(self) -> None:
-        pass
 
     def report(self, report: Any, _request: int) -> None:
         steps = len(report.step_seconds)

@@ -266,6 +266,22 @@ class Aligner:
         return age, now - hb.in_since if hb.in_since is not None and not silent else 0.0
 
 
+class PerRequestReporter:
+    """The rank-reporter interface for stand-ins that publish once per request from ``report`` alone (the
+    exposition bench's fake ranks, the bench's pre-issue-18 reporter): no timeline to begin or end."""
+
+    metrics: Any = None
+
+    def bind(self, metrics: Any) -> None:
+        self.metrics = metrics
+
+    def begin_request(self) -> int:
+        return 0
+
+    def end_request(self) -> None:
+        pass
+
+
 def stamping(orig: Callable[[Any], Any], tl: Timeline) -> Callable[[Any], Any]:
     """``orig`` (a collective's wait) with the rank's arrival and departure stamped: the whole hot path."""
     clock = tl.clock
