@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from tests.promtext import counter_before, total, value
+from tests.promtext import Samples, counter_before, total, value
 from tests.servicefixture import ADMIN_TOKEN, ServiceProc
 
 
@@ -324,15 +324,34 @@ def test_admin_is_off_without_a_token(tmp_path: Path) -> None:
         s.close()
 
 
+def rank_steps_settled(s: ServiceProc, since: Samples | None = None, steps: int | None = None,
+                       timeout: float = 20.0) -> Samples:
+    """Metrics once rank 0 has published every finished request: the per-rank gauges follow a request by
+    up to two shipping intervals (the ranks ship their stamps every second), so a scrape right after the
+    response may still show the one before.  With ``steps``: until both ranks counted that many steps
+    since ``since``; without: until the counters stop moving."""
+    deadline, prev = time.monotonic() + timeout, None
+    while True:
+        m = s.metrics()
+        counts = [total(m, "stepwatch_rank_steps_total", rank=r) - (total(since, "stepwatch_rank_steps_total", rank=r)
+                                                                     if since is not None else 0.0)
+                  for r in ("0", "1")]
+        if (counts == [steps, steps]) if steps is not None else counts == prev:
+            return m
+        assert time.monotonic() < deadline, f"rank steps never settled: {counts} (want {steps})"
+        prev = counts
+        time.sleep(1.5)
+
+
 @pytest.mark.heavy
 def test_two_ranks_report_and_a_delayed_rank_shows_as_skew(tmp_path: Path) -> None:
     s = ServiceProc(tmp_path, {"ranks": 2, "compile": {"enabled": False}, "warmup": ["256x256"]})
     try:
-        m0 = s.metrics()
+        m0 = rank_steps_settled(s)  # the warm-up's steps land a shipping interval after it
         for seed in range(3):
             status, body, _ = s.generate(size="256x256", seed=seed, steps=8)
             assert status == 200, body
-        m = s.metrics()
+        m = rank_steps_settled(s, since=m0, steps=24)
         r0 = value(m, "stepwatch_rank_step_duration_seconds", rank="0")
         r1 = value(m, "stepwatch_rank_step_duration_seconds", rank="1")
         assert r0 > 0 and r1 > 0  # both ranks report
@@ -342,7 +361,7 @@ def test_two_ranks_report_and_a_delayed_rank_shows_as_skew(tmp_path: Path) -> No
         assert status == 200, body
         status, body, _ = s.generate(size="256x256", seed=0, steps=8)
         assert status == 200
-        m = s.metrics()
+        m = rank_steps_settled(s, since=m0, steps=32)
         r0 = value(m, "stepwatch_rank_step_duration_seconds", rank="0")
         r1 = value(m, "stepwatch_rank_step_duration_seconds", rank="1")
         assert r1 > r0 * 1.1, (r0, r1)  # rank 1 is the straggler
