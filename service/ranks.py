@@ -53,8 +53,18 @@ def rank_cpus(world: int, pin: bool) -> list[list[int]]:
     return [cpus[r * n:(r + 1) * n] for r in range(world)]
 
 
+def rank_threads(slices: list[list[int]]) -> list[int]:
+    """Each rank's torch threads: its CPUs divided among the ranks whose CPUs overlap its own.
+
+    Unpinned ranks all get every CPU; one thread per CPU each would oversubscribe
+    the machine ``world`` times over.  Pinned slices are disjoint, so a rank keeps them all.
+    """
+    sets = [set(s) for s in slices]
+    return [max(1, len(s) // sum(1 for o in sets if o & s)) for s in sets]
+
+
 def _rank_entry(cfg: dict[str, Any], conn: Connection | None, rank: int, world: int, port: int,
-                cpus: list[int], procs: list[RankProc]) -> None:
+                cpus: list[int], threads: int, procs: list[RankProc]) -> None:
     """One rank's process; ``procs`` (every rank's pid and CPUs) is complete on rank 0 only."""
     if rank > 0:
         _die_with_parent()
@@ -62,7 +72,7 @@ def _rank_entry(cfg: dict[str, Any], conn: Connection | None, rank: int, world: 
     os.sched_setaffinity(0, cpus)
     if not torch.cuda.is_available():
         torch.accelerator.device_count = lambda: 1
-        torch.set_num_threads(max(1, len(cpus)))
+        torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     w = Worker(cfg, conn, rank, world)
@@ -83,17 +93,18 @@ def ranks_main(cfg: dict[str, Any], conn: Any, world: int) -> None:
     port = _free_port()
     ctx = mp.get_context("spawn")
     cpus = rank_cpus(world, bool(cfg.get("pin_ranks", True)))
+    threads = rank_threads(cpus)
     procs: list[RankProc] = [{"rank": 0, "pid": os.getpid(), "cpus": cpus[0]}]
     children = []
     for r in range(1, world):
-        c = ctx.Process(target=_rank_entry, args=(cfg, None, r, world, port, cpus[r], []),
+        c = ctx.Process(target=_rank_entry, args=(cfg, None, r, world, port, cpus[r], threads[r], []),
                         name=f"stepwatch-rank{r}", daemon=True)
         c.start()
         children.append(c)
         procs.append({"rank": r, "pid": int(c.pid or 0), "cpus": cpus[r]})
     log.info("ranks: %s", ", ".join(f"{p['rank']} pid {p['pid']} cpus {p['cpus']}" for p in procs))
     try:
-        _rank_entry(cfg, conn, 0, world, port, cpus[0], procs)
+        _rank_entry(cfg, conn, 0, world, port, cpus[0], threads[0], procs)
     finally:
         for c in children:
             c.join(timeout=10)

@@ -201,3 +201,13 @@ def test_predictor_uses_ledger_for_unseen_shapes() -> None:
     for _ in range(3):
         pred.observe(r512, 9.0, {"denoise": 5.0})
     assert pred.predict(r512) == 9.0  # enough observations: the shape's median wins
+
+
+def test_ranks_sharing_cpus_split_the_threads() -> None:
+    """Unpinned ranks each see every CPU; one thread per CPU each would oversubscribe the machine."""
+    from stepwatch.service.ranks import rank_threads  # imports torch: only this test pays for it
+
+    assert rank_threads([[0, 1, 2, 3], [0, 1, 2, 3]]) == [2, 2]
+    assert rank_threads([[0, 1], [2, 3]]) == [2, 2]
+    assert rank_threads([[0], [0]]) == [1, 1]
+    assert rank_threads([[0, 1, 2, 3]]) == [4]
