@@ -15,6 +15,7 @@ restore -> wait for the alert to resolve -> judge.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -34,10 +35,13 @@ from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
 from stepwatch.fault_injection.stack import LocalStack, Traffic
+from stepwatch.procs import die_with_parent_fn
 from stepwatch.promapi import PromError
 from stepwatch.runbooks.parse import Drill as DrillSpec
 from stepwatch.runbooks.parse import load_drills
 from stepwatch.triage.record import record_scenario
+
+log = logging.getLogger("stepwatch.drills")
 
 SEED_DRILLS = ("cache-threshold", "off-menu-resolution", "vae-tiling-oom")
 ALL_DRILLS = (*SEED_DRILLS, "queue-overload", "straggler", "straggler-neighbour", "worker-stall")
@@ -343,7 +347,13 @@ def rank_procs(stack: LocalStack, rank: int) -> dict[str, Any]:
 
 
 def start_neighbours(cpus: list[int], per_cpu: int) -> list[subprocess.Popen[bytes]]:
-    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(cpu)]) for cpu in cpus for _ in range(per_cpu)]
+    """Busy-loop processes pinned to ``cpus``; each dies with this process, so a drill runner killed
+    by SIGKILL (no restore) does not leave them burning the CPUs."""
+    arm = die_with_parent_fn()
+    if arm is None:
+        log.info("PR_SET_PDEATHSIG unavailable: CPU neighbours outlive a killed drill runner")
+    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(cpu)], preexec_fn=arm)
+            for cpu in cpus for _ in range(per_cpu)]
 
 
 class StragglerNeighbour(Drill):

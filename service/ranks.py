@@ -11,11 +11,9 @@ for one, so the ranks report 1 (one CPU "device" each).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
-import signal
 import socket
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -24,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stepwatch.procs import die_with_parent
 from stepwatch.service.messages import RankProc
 from stepwatch.service.worker import Worker, configure_process, start
 
@@ -34,14 +33,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """A follower rank gets SIGKILL when rank 0 dies, even by SIGKILL (which skips the join in ranks_main)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        log.debug("PR_SET_PDEATHSIG unavailable; a killed rank 0 leaves rank %d to the gloo timeout", os.getpid())
 
 
 def rank_cpus(world: int, pin: bool) -> list[list[int]]:
@@ -66,8 +57,8 @@ def rank_threads(slices: list[list[int]]) -> list[int]:
 def _rank_entry(cfg: dict[str, Any], conn: Connection | None, rank: int, world: int, port: int,
                 cpus: list[int], threads: int, procs: list[RankProc]) -> None:
     """One rank's process; ``procs`` (every rank's pid and CPUs) is complete on rank 0 only."""
-    if rank > 0:
-        _die_with_parent()
+    if rank > 0 and not die_with_parent():  # rank 0 killed by SIGKILL skips the join in ranks_main
+        log.debug("PR_SET_PDEATHSIG unavailable; a killed rank 0 leaves rank %d to the gloo timeout", rank)
     configure_process(rank)
     os.sched_setaffinity(0, cpus)
     if not torch.cuda.is_available():

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +80,41 @@ def _check(summary: dict, names: tuple[str, ...], out: Path) -> None:
         assert f"## {name}" in text
     data = json.loads((reports[0].parent / "report.json").read_text())
     assert data["passed"] is True and len(data["drills"]) == len(names)
+
+
+def _running(pid: int) -> bool:
+    """Whether pid runs (a zombie nobody reaped, as under a container's PID 1, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_cpu_neighbour_dies_with_a_killed_drill_runner() -> None:
+    """A runner killed by SIGKILL never restores: its busy-loop neighbours must not keep burning a CPU."""
+    cpu = min(os.sched_getaffinity(0))
+    runner = subprocess.Popen(
+        [sys.executable, "-c", "import time\n"
+         "from stepwatch.fault_injection.drills import start_neighbours\n"
+         f"print(start_neighbours([{cpu}], 1)[0].pid, flush=True)\ntime.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True)
+    assert runner.stdout is not None
+    neighbour = int(runner.stdout.readline())
+    try:
+        assert _running(neighbour)
+        runner.send_signal(signal.SIGKILL)
+        runner.wait()
+        deadline = time.monotonic() + 3.0
+        while _running(neighbour) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(neighbour)
+    finally:
+        runner.kill()
+        runner.wait()
+        if _running(neighbour):
+            os.kill(neighbour, signal.SIGKILL)
 
 
 @pytest.mark.heavy
