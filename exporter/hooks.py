@@ -119,18 +119,20 @@ def _call(inst: Instrumentation, original_call: Callable[..., Any], pipe: Any, a
     try:
         out = original_call(pipe, *args, **kwargs)
     except BaseException as exc:
-        if req is not None:
-            try:
-                inst._end(req, exc)
-            except Exception as e:
-                inst._guard.fail("request.end", e)
+        _end(inst, req, exc)
         raise
-    if req is not None:
-        try:
-            inst._end(req, None)
-        except Exception as e:
-            inst._guard.fail("request.end", e)
+    _end(inst, req, None)
     return out
+
+
+def _end(inst: Instrumentation, req: Any, exc: BaseException | None) -> None:
+    try:
+        if req is not None:
+            inst._end(req, exc)
+        else:
+            inst.end_unbegun()
+    except Exception as e:
+        inst._guard.fail("request.end", e)
 
 
 def instrumented_class(cls: type) -> type:

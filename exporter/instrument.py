@@ -300,6 +300,8 @@ class Instrumentation:
 
     # ----- request lifecycle ----------------------------------------------------------------
     def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RequestMarks:
+        # First, before anything that can fail: every rank must count every request (exporter/ranks.py).
+        rank_request = self._local.rank_request = self._rank_call("begin_request")
         self._ensure_component_patches()
         WATCH.ensure()
         self._drain_pending()
@@ -309,14 +311,43 @@ class Instrumentation:
                         parent_ctx=spans.capture_parent() if self._tracer is not None else None,
                         cache=self._find_cache(den) if den is not None else None)
         req.capacity = self.memory.capacity_bytes()
-        if self.options.rank_reporter is not None:
-            req.rank_request = self.options.rank_reporter.begin_request()
+        req.rank_request = rank_request if rank_request is not None else -1
         self.memory.reset_peak()
         self._local.req = req
         self._local.prev_sink = WATCH.set_sink(lambda s, d: req.compiles.append((s, d)))
         return req
 
     def _end(self, req: RequestMarks, exc: BaseException | None) -> None:
+        self._rank_call("end_request")  # first: whatever fails below, the ranks' request has ended
+        try:
+            self._end_request(req, exc)
+        except Exception:
+            if self.options.rank_reporter is not None:  # no report will come: let the ranks' stamps of it go
+                self._guarded("ranks", self.options.rank_reporter.report, _UNRESOLVED, req.rank_request)
+            raise
+
+    def end_unbegun(self) -> None:
+        """After a call whose ``_begin`` failed: end the ranks' request it had begun, with no report."""
+        rank_request = getattr(self._local, "rank_request", None)
+        self._local.rank_request = None
+        if rank_request is None:
+            return
+        self._rank_call("end_request")
+        assert self.options.rank_reporter is not None
+        self._guarded("ranks", self.options.rank_reporter.report, _UNRESOLVED, rank_request)
+
+    def _rank_call(self, method: str) -> Any:
+        """The rank reporter's ``method()``, guarded; None without a reporter or when it failed."""
+        reporter = self.options.rank_reporter
+        if reporter is None:
+            return None
+        try:
+            return getattr(reporter, method)()
+        except Exception as e:
+            self._guard.fail("ranks", e)
+            return None
+
+    def _end_request(self, req: RequestMarks, exc: BaseException | None) -> None:
         self._local.req = None
         WATCH.set_sink(getattr(self._local, "prev_sink", None))
         req.end = self.clock.mark()
@@ -327,8 +358,6 @@ class Instrumentation:
         if exc is not None:
             self._record_failure(req, exc)
         phase = self.phase
-        if self.options.rank_reporter is not None:
-            self._guarded("ranks", self.options.rank_reporter.end_request)
         if self.clock.ready(req.end):
             self._emit(req, phase)
         else:

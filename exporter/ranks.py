@@ -28,19 +28,25 @@ runs a request (``stepwatch_rank_progress_age_seconds``) and seconds inside its 
 (``stepwatch_rank_collective_wait_seconds``).  One rank waiting in a collective while another's
 progress age grows outside any is a collective hang, and the latter is the rank to look at.
 
+Requests are matched across ranks by their index on each rank's timeline: every rank of a
+sequence-parallel group runs the same requests (a rank that skipped one would hang the group's
+collectives), and the instrumentation begins and ends a request before anything of its own can fail.
+Each rank also ships when it began a request; a rank that began its request after another already
+left the request's first collective is counting a different request, and that request is dropped.
+
 On CPU (gloo) a rank blocks in the wait, so the stamps are exact.  On CUDA (NCCL) the wait is
-enqueued on the stream: the same design takes the stamps from CUDA events recorded around the
-collective and resolved later (README, "GPU check"); host stamps there read late arrivals
-as early.  Ranks on different hosts compare wall clocks, which NTP/PTP keeps within a millisecond
+enqueued on the stream, so host stamps read late arrivals as early.  Not implemented yet: taking
+the stamps from CUDA events recorded around the collective and resolved later (the design is in the
+README, "GPU check").  Ranks on different hosts compare wall clocks, which NTP/PTP keeps within a millisecond
 or so on a GPU cluster; the stamps of one host are exact.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
-import pickle
 import threading
 import time
 from array import array
@@ -52,8 +58,21 @@ log = logging.getLogger("stepwatch.exporter.ranks")
 
 _TARGET = ("diffusers.models.attention_dispatch", "_wait_tensor")
 INTERVAL_S = 1.0
-STALE_REQUEST_S = 120.0  # a request some rank never finishes is dropped from alignment after this
+STALE_REQUEST_S = 120.0  # a request no rank has shipped anything of for this long is dropped from alignment
 STALE_HEARTBEAT_S = 5 * INTERVAL_S  # a rank silent this long is not shipping: frozen or stuck
+BEGIN_TOLERANCE_S = 0.02  # clocks of ranks on different hosts differ by about a millisecond
+MAX_QUEUED_CHUNKS = 120  # a follower stops pushing while this many wait for rank 0 (two minutes' worth)
+RETIRED_KEPT = 1024  # finished request indices remembered, so a late chunk of one is not a new request
+
+
+class _Discard(list[tuple[float, float]]):
+    """Where stamps go between requests (a warm-up outside the pipeline's call, another model): nowhere."""
+
+    def append(self, _item: object) -> None:
+        pass
+
+
+_DISCARD: list[tuple[float, float]] = _Discard()
 
 
 class Timeline:
@@ -65,23 +84,28 @@ class Timeline:
         self._cpu_at_begin: float | None = None
         self.request_cpu_wait: dict[int, float] = {}  # request -> its threads' waits for a CPU during it
         self.request = -1
-        self.marks: list[tuple[float, float]] = []
+        self.marks: list[tuple[float, float]] = _DISCARD
         self.by_request: dict[int, list[tuple[float, float]]] = {}
+        self.began: dict[int, float] = {}  # request -> when this rank began it (until shipped)
         self.ended: dict[int, int | None] = {}  # request -> steps (None until the report says)
         self.in_since: float | None = None  # inside a collective since
         self.progress = clock()  # last departure from a collective, or the request's start
         self.inflight = False
 
     def begin(self) -> int:
+        if self.inflight:  # the previous request never ended (its end failed): no report will come for it
+            self.end()
+            self.ended[self.request] = 0
         self.request += 1
         self.marks = self.by_request[self.request] = []
-        self.progress = self.clock()
+        self.progress = self.began[self.request] = self.clock()
         self.inflight = True
         self._cpu_at_begin = self.cpu_wait()  # once per request: a few /proc reads
         return self.request
 
     def end(self) -> None:
         self.inflight = False
+        self.marks = _DISCARD
         self.ended.setdefault(self.request, None)
         now, then = self.cpu_wait(), self._cpu_at_begin
         if now is not None and then is not None:
@@ -100,15 +124,41 @@ class Chunk:
     marks: dict[int, tuple[int, array[float]]] = field(default_factory=dict)  # request -> (first index, flat)
     ended: dict[int, int] = field(default_factory=dict)  # request -> steps
     ended_cpu_wait: dict[int, float] = field(default_factory=dict)  # request -> CPU waits during it
+    began: dict[int, float] = field(default_factory=dict)  # request -> when the rank began it
     in_since: float | None = None
     progress: float = 0.0
     inflight: bool = False
     request: int = -1  # the request the rank is on (or last ran)
     cpu_wait: float | None = None  # cumulative seconds its threads waited for a CPU (None: not on Linux)
 
+    def encode(self) -> bytes:
+        """JSON, not pickle: rank 0 reads what any process that can reach the store wrote."""
+        d = {k: getattr(self, k) for k in ("rank", "sent", "ended", "ended_cpu_wait", "began", "in_since",
+                                           "progress", "inflight", "request", "cpu_wait")}
+        d["marks"] = {q: [start, flat.tolist()] for q, (start, flat) in self.marks.items()}
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Chunk:
+        """The chunk ``encode`` wrote; ValueError (or TypeError) on anything else."""
+        d = json.loads(data)
+        return cls(int(d["rank"]), float(d["sent"]),
+                   marks={int(q): (int(at), array("d", map(float, flat))) for q, (at, flat) in d["marks"].items()},
+                   ended={int(q): int(v) for q, v in d["ended"].items()},
+                   ended_cpu_wait={int(q): float(v) for q, v in d["ended_cpu_wait"].items()},
+                   began={int(q): float(v) for q, v in d["began"].items()},
+                   in_since=_float_or_none(d["in_since"]), progress=float(d["progress"]),
+                   inflight=bool(d["inflight"]), request=int(d["request"]), cpu_wait=_float_or_none(d["cpu_wait"]))
+
+
+def _float_or_none(v: Any) -> float | None:
+    return None if v is None else float(v)
+
 
 def runqueue_wait_seconds() -> float | None:
     """Seconds this process's threads have spent runnable but waiting for a CPU (Linux schedstat), or None.
+
+    Thread-seconds, summed over the process's threads: two threads waiting one second count two.
 
     A rank starved of CPU (another process on its CPUs, a throttled host) runs its side of every transfer
     late: the ranks then arrive together and wait together, and only this shows who held them up."""
@@ -139,6 +189,8 @@ class Shipper:
         for q, marks in list(tl.by_request.items()):
             steps = tl.ended.get(q)  # first: once the steps are known no stamp can follow, so n is final
             start, n = self._sent.get(q, 0), len(marks)  # appends only grow the list: a stable prefix
+            if q in tl.began:
+                c.began[q] = tl.began.pop(q)
             if n > start:
                 c.marks[q] = (start, array("d", [t for pair in marks[start:n] for t in pair]))
                 self._sent[q] = n
@@ -156,23 +208,34 @@ class Channel(Protocol):
 
 
 class StoreChannel:
-    """Followers push pickled chunks onto a queue per rank in the process group's store; rank 0 pops them.
+    """Followers push encoded chunks onto a queue per rank in the process group's store; rank 0 pops them.
 
     The store is the rendezvous TCPStore every process group already has: no extra port, no collective.
+    Keys carry the group's name, so reporters of two subgroups in one job do not read each other's chunks.
+    A follower whose rank 0 stopped popping stops pushing at ``MAX_QUEUED_CHUNKS`` (the requests it
+    misses are dropped by rank 0 as broken): the store does not grow without bound.
     """
 
     def __init__(self, store: Any, world: int, prefix: str = "stepwatch/ranks") -> None:
         self.store, self.world, self.prefix = store, world, prefix
+        self.dropped = self.undecodable = 0
 
     def send(self, chunk: Chunk) -> None:
-        self.store.queue_push(f"{self.prefix}/{chunk.rank}", pickle.dumps(chunk, protocol=5))
+        key = f"{self.prefix}/{chunk.rank}"
+        if int(self.store.queue_len(key)) >= MAX_QUEUED_CHUNKS:
+            self.dropped += 1
+            return
+        self.store.queue_push(key, chunk.encode())
 
     def receive(self) -> list[Chunk]:
         out: list[Chunk] = []
         for r in range(1, self.world):
             key = f"{self.prefix}/{r}"
             for _ in range(int(self.store.queue_len(key))):
-                out.append(pickle.loads(self.store.queue_pop(key, False)))  # our own ranks' chunks
+                try:
+                    out.append(Chunk.decode(self.store.queue_pop(key, False)))
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    self.undecodable += 1  # not ours: the requests it carried will read as broken
         return out
 
 
@@ -182,7 +245,9 @@ class _Request:
     steps: dict[int, int] = field(default_factory=dict)
     busy: dict[int, float] = field(default_factory=dict)
     done: int = 1  # collectives charged so far; the first has no previous release to count from
-    first_seen: float = 0.0
+    last_seen: float = 0.0  # when a chunk last carried anything of it
+    began: dict[int, float] = field(default_factory=dict)
+    checked: bool = False  # the ranks agree it is the same request (see ``_same_request``)
     broken: bool = False
 
 
@@ -192,26 +257,43 @@ class Aligner:
     def __init__(self, world: int, clock: Callable[[], float] = time.time) -> None:
         self.world, self.clock = world, clock
         self.requests: dict[int, _Request] = {}
+        self.retired: dict[int, None] = {}  # finished or dropped request indices, oldest first
         self.heartbeats: dict[int, Chunk] = {}
-        self.last: list[float] = []  # busy seconds per step of each rank, last finished request
-        self.last_skew: float | None = None
+        self.last: tuple[int, list[float], float] | None = None  # (request, busy s per step per rank, skew)
         self.cpu_wait: dict[int, float] = {}  # per rank, waited for a CPU since the last take
+        self.late = self.mismatched = 0  # chunks of retired requests; requests the ranks disagreed on
 
     def add(self, c: Chunk) -> None:
         prev = self.heartbeats.get(c.rank)
         self.heartbeats[c.rank] = c
         for q, (start, flat) in c.marks.items():
-            req = self.requests.setdefault(q, _Request(first_seen=self.clock()))
+            req = self._request(q)
+            if req is None:
+                continue
             have = req.marks.setdefault(c.rank, [])
             if start != len(have) // 2:
                 req.broken = True  # a lost chunk: this request can no longer be aligned
             have.extend(flat)
+        for q, began in c.began.items():
+            if (req := self._request(q)) is not None:
+                req.began[c.rank] = began
         for q, steps in c.ended.items():
-            req = self.requests.setdefault(q, _Request(first_seen=self.clock()))
-            req.steps[c.rank] = steps
-            req.busy[c.rank] = req.busy.get(c.rank, 0.0) + c.ended_cpu_wait.get(q, 0.0)
+            if (req := self._request(q)) is not None:
+                req.steps[c.rank] = steps
+                req.busy[c.rank] = req.busy.get(c.rank, 0.0) + c.ended_cpu_wait.get(q, 0.0)
         if prev is not None and prev.cpu_wait is not None and c.cpu_wait is not None and c.cpu_wait >= prev.cpu_wait:
             self.cpu_wait[c.rank] = self.cpu_wait.get(c.rank, 0.0) + c.cpu_wait - prev.cpu_wait
+
+    def _request(self, q: int) -> _Request | None:
+        """Request q, made when first heard of and marked as seen now; None once it is retired."""
+        if q in self.retired:
+            self.late += 1
+            return None
+        req = self.requests.get(q)
+        if req is None:
+            req = self.requests[q] = _Request()
+        req.last_seen = self.clock()
+        return req
 
     def charge(self) -> dict[int, float]:
         """Busy seconds per rank newly charged from the collectives every rank has now stamped."""
@@ -220,6 +302,8 @@ class Aligner:
             if req.broken or len(req.marks) < self.world:
                 continue
             n = min(len(m) // 2 for m in req.marks.values())
+            if n and not req.checked and not self._same_request(req):
+                continue
             for k in range(req.done, n):
                 released = min(m[2 * k - 1] for m in req.marks.values())
                 for r, m in req.marks.items():
@@ -229,19 +313,42 @@ class Aligner:
             req.done = max(req.done, n)
         return new
 
+    def _same_request(self, req: _Request) -> bool:
+        """Whether every rank began this request before any left its first collective (which needs them
+        all): a rank that began after that is counting another request.  Such a request is broken."""
+        if len(req.began) < self.world:
+            return True  # a chunk of a rank that does not say (left to the start-index check)
+        first_release = min(m[1] for m in req.marks.values())
+        if max(req.began.values()) > first_release + BEGIN_TOLERANCE_S:
+            req.broken = True
+            self.mismatched += 1
+            if self.mismatched == 1:
+                log.warning("ranks disagree on which request they run (began %s, first collective left at %.3f): "
+                            "such requests are dropped from the per-rank timing (logged once)",
+                            {r: round(b, 3) for r, b in sorted(req.began.items())}, first_release)
+            return False
+        req.checked = True
+        return True
+
     def take_cpu_wait(self) -> dict[int, float]:
         out, self.cpu_wait = self.cpu_wait, {}
         return out
 
     def finished(self) -> list[tuple[int, _Request]]:
-        """Requests every rank has finished and that are fully charged (or broken, or stale): removed."""
+        """Requests every rank has finished and that are fully charged, or broken, or stale (nothing heard
+        of them for ``STALE_REQUEST_S``: marked broken): removed, and remembered as retired."""
         out = []
         now = self.clock()
         for q, req in sorted(self.requests.items()):
             complete = len(req.steps) == self.world and all(len(m) // 2 == req.done for m in req.marks.values())
-            if complete or req.broken or now - req.first_seen > STALE_REQUEST_S:
+            if not complete and now - req.last_seen > STALE_REQUEST_S:
+                req.broken = True
+            if complete or req.broken:
                 out.append((q, req))
                 del self.requests[q]
+                self.retired[q] = None
+        while len(self.retired) > RETIRED_KEPT:
+            del self.retired[next(iter(self.retired))]
         return out
 
     def stall(self, rank: int) -> tuple[float, float]:
@@ -282,14 +389,15 @@ class PerRequestReporter:
         pass
 
 
-def stamping(orig: Callable[[Any], Any], tl: Timeline) -> Callable[[Any], Any]:
-    """``orig`` (a collective's wait) with the rank's arrival and departure stamped: the whole hot path."""
+def stamping(orig: Callable[..., Any], tl: Timeline) -> Callable[..., Any]:
+    """``orig`` (a collective's wait) with the rank's arrival and departure stamped: the whole hot path.
+    Between requests ``tl.marks`` is a list that keeps nothing."""
     clock = tl.clock
 
-    def stamped_wait(tensor: Any) -> Any:
+    def stamped_wait(*args: Any, **kwargs: Any) -> Any:
         t0 = tl.in_since = clock()
         try:
-            return orig(tensor)
+            return orig(*args, **kwargs)
         finally:
             t1 = tl.progress = clock()
             tl.in_since = None
@@ -312,7 +420,11 @@ class RankReporter:
                  hook: bool = True, cpu_wait: Callable[[], float | None] = runqueue_wait_seconds) -> None:
         self.rank, self.world = _rank_and_world(group, rank, world)
         self.timeline = Timeline(clock, cpu_wait)
-        self.channel = channel if channel is not None or self.world == 1 else _store_channel(self.world)
+        self._claimed: str | None = None
+        if channel is None and self.world > 1:
+            channel = _store_channel(group, self.world)
+            self._claimed = _claim(channel.prefix)
+        self.channel = channel
         self._shipper = Shipper(self.timeline, self.rank)
         self.aligner = Aligner(self.world, clock) if self.rank == 0 else None
         self.metrics: Any = None
@@ -320,6 +432,7 @@ class RankReporter:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._failed = False
+        self._silent: set[int] = set()  # ranks rank 0 has logged as silent
         if hook:
             self.install()
         if interval is not None:
@@ -327,7 +440,8 @@ class RankReporter:
 
     @property
     def last(self) -> list[float]:
-        return self.aligner.last if self.aligner is not None else []
+        """Busy seconds per step of each rank in the last request every rank finished (rank 0; else [])."""
+        return self.aligner.last[1] if self.aligner is not None and self.aligner.last is not None else []
 
     # ----- hooks ---------------------------------------------------------------------------
     def install(self) -> None:
@@ -350,6 +464,9 @@ class RankReporter:
     def close(self) -> None:
         self._stop.set()
         self.uninstall()
+        if self._claimed is not None:
+            _CLAIMED.discard(self._claimed)
+            self._claimed = None
 
     def bind(self, metrics: Any) -> None:
         """Rank 0 publishes into ``metrics`` (the exporter's MetricSet)."""
@@ -364,11 +481,15 @@ class RankReporter:
 
     def report(self, report: Any, request: int) -> None:
         """Once per request, after it resolved (0 steps when it could not be): its steps, and on rank 0
-        the ranks of the last request every rank has finished (usually the one before: no rank waits)."""
+        the ranks of the last request every rank has finished (usually the one before: no rank waits for
+        the others), with how many requests before this one it was."""
         self.timeline.steps(request, len(report.step_seconds))
-        if self.aligner is not None and self.aligner.last:
-            report.extra["rank_step_seconds"] = list(self.aligner.last)
-            report.extra["rank_skew"] = self.aligner.last_skew
+        last = self.aligner.last if self.aligner is not None else None
+        if last is not None:
+            q, per_step, skew_ = last
+            report.extra["rank_step_seconds"] = list(per_step)
+            report.extra["rank_skew"] = skew_
+            report.extra["rank_requests_ago"] = request - q
 
     # ----- the shipping thread -------------------------------------------------------------
     def _loop(self, interval: float) -> None:
@@ -406,25 +527,43 @@ class RankReporter:
             waited = starved.get(r, 0.0)
             m.rank_busy_seconds_total.labels(rank=str(r)).inc(charged.get(r, 0.0) + waited)
             m.rank_cpu_wait_seconds_total.labels(rank=str(r)).inc(waited)
-        for _q, req in finished:
-            finish_request(self.aligner, req, m)
+        for q, req in finished:
+            finish_request(self.aligner, q, req, m)
+        self._note_silent()
         for r in range(self.world):
             age, waiting = self.aligner.stall(r)
             m.rank_progress_age_seconds.labels(rank=str(r)).set(age)
             m.rank_collective_wait_seconds.labels(rank=str(r)).set(waiting)
 
 
-def finish_request(aligner: Aligner, req: _Request, metrics: Any) -> None:
-    """A request every rank finished: its steps into the counters, its per-step busy time into the gauges."""
+    def _note_silent(self) -> None:
+        """Log (once per silence) a follower that stopped shipping: its gauges keep their last values."""
+        assert self.aligner is not None
+        now = self.aligner.clock()
+        for r in range(1, self.world):
+            hb = self.aligner.heartbeats.get(r)
+            silent = hb is not None and now - hb.sent > STALE_HEARTBEAT_S
+            if silent and r not in self._silent:
+                log.warning("rank %d has shipped nothing for %.0f s (frozen, stuck or gone): its per-rank "
+                            "gauges keep their last values", r, now - hb.sent)  # type: ignore[union-attr]
+                self._silent.add(r)
+            elif not silent and r in self._silent:
+                log.info("rank %d ships its timings again", r)
+                self._silent.discard(r)
+
+
+def finish_request(aligner: Aligner, q: int, req: _Request, metrics: Any) -> None:
+    """A request every rank finished: its steps into the counters, its per-step busy time into the gauges.
+    Only a whole one sets the gauges: every rank's stamps, and at least one collective charged."""
     for r, steps in req.steps.items():
         metrics.rank_steps_total.labels(rank=str(r)).inc(steps)
     steps = max(req.steps.values(), default=0)
-    if req.broken or not steps or len(req.busy) < aligner.world:
+    whole = len(req.marks) == aligner.world and req.done > 1 and len(req.steps) == aligner.world
+    if req.broken or not steps or not whole:
         return
-    per_step = [req.busy[r] / steps for r in range(aligner.world)]
+    per_step = [req.busy.get(r, 0.0) / steps for r in range(aligner.world)]
     publish_ranks(per_step, metrics)
-    aligner.last = per_step
-    aligner.last_skew = skew(per_step)
+    aligner.last = (q, per_step, skew(per_step))
 
 
 def skew(per_step: list[float]) -> float:
@@ -449,7 +588,22 @@ def _rank_and_world(group: Any, rank: int | None, world: int | None) -> tuple[in
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _store_channel(world: int) -> StoreChannel:
+def _store_channel(group: Any, world: int) -> StoreChannel:
+    """The default store, with keys under the group's name (the default group's when ``group`` is None)."""
     import torch.distributed as dist
 
-    return StoreChannel(dist.distributed_c10d._get_default_store(), world)
+    pg = group if group is not None else dist.group.WORLD
+    name = dist.distributed_c10d._get_process_group_name(pg)  # type: ignore[arg-type]
+    return StoreChannel(dist.distributed_c10d._get_default_store(), world, prefix=f"stepwatch/ranks/{name}")
+
+
+_CLAIMED: set[str] = set()  # store prefixes with a live reporter in this process
+
+
+def _claim(prefix: str) -> str:
+    """One reporter per group and process: two would pop each other's chunks and stamp every wait twice."""
+    if prefix in _CLAIMED:
+        raise ValueError(f"a RankReporter for this process group already runs in this process ({prefix}); "
+                         "close() it first, or pass the one you have to instrument()")
+    _CLAIMED.add(prefix)
+    return prefix

@@ -295,7 +295,8 @@ class Worker:
             "stages": dict(rep.stages) if rep else {}, "steps": len(rep.step_seconds) if rep else req.steps,
             "cache": {"kind": rep.cache, "hits": rep.hits, "misses": rep.misses} if rep else None,
             "compiles": len(rep.compiles) if rep else 0, "rss_bytes": rss,
-            "ranks": {"step_seconds": rep.extra.get("rank_step_seconds"), "skew": rep.extra.get("rank_skew")}
+            "ranks": {"step_seconds": rep.extra.get("rank_step_seconds"), "skew": rep.extra.get("rank_skew"),
+                      "requests_ago": rep.extra.get("rank_requests_ago")}
             if rep and "rank_skew" in rep.extra else None,
         }
 

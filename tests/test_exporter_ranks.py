@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ class ListChannel:
         self.queue: list[Chunk] = []
 
     def send(self, chunk: Chunk) -> None:
-        self.queue.append(pickle.loads(pickle.dumps(chunk)))
+        self.queue.append(Chunk.decode(chunk.encode()))
 
     def receive(self) -> list[Chunk]:
         out, self.queue = self.queue, []
@@ -319,3 +318,118 @@ def test_bench_overhead_puts_the_rank_timing_beside_the_old_one_on_two_ranks() -
     assert r["ranks"] == 2 and r["rounds"] == 3 and set(r["request_ms"]) == {"bare", "before", "now"}
     assert all(v > 0 for v in r["request_ms"].values()) and all(v > 0 for v in r["per_collective_ns"].values())
     assert {"ratio_now_to_before", "ratio_now_to_bare", "ratio_before_to_bare"} <= set(r)
+
+
+def test_a_long_request_still_shipping_is_kept_and_a_silent_one_is_dropped_without_gauges() -> None:
+    """Staleness counts from the last chunk that carried the request, not from its first: a request that
+    runs for ten minutes is still aligned; one nothing is heard of for STALE_REQUEST_S is dropped as broken
+    (no gauge from a half), and a late chunk of it is not taken for a new request."""
+    clock = Clock()
+    r0, r1, _ch, registry = two_ranks(clock)
+    for rep in (r0, r1):
+        rep.begin_request()
+    for _ in range(10):  # a minute of collectives (12 s each on rank 1), ten times, shipped every minute
+        collectives([r0.timeline, r1.timeline], clock, 5, [6.0, 12.0], [0, 0])
+        r1.tick()
+        r0.tick()
+    assert 0 in r0.aligner.requests
+    for rep in (r0, r1):
+        rep.end_request()
+        rep.timeline.steps(0, 4)
+    r1.tick()
+    r0.tick()
+    assert value(registry, "stepwatch_rank_skew_ratio") == pytest.approx(1.0, rel=0.01)
+    for rep in (r0, r1):
+        rep.begin_request()
+    collectives([r0.timeline, r1.timeline], clock, 5, [0.02, 0.02], [0, 0])
+    r0.tick()  # rank 1 freezes before shipping any of request 1
+    clock.t += 121
+    r0.tick()
+    assert 1 not in r0.aligner.requests and 1 in r0.aligner.retired
+    r1.tick()  # it thaws: its stamps of request 1 arrive late and are let go
+    r0.tick()
+    assert r0.aligner.late >= 1 and 1 not in r0.aligner.requests
+    assert value(registry, "stepwatch_rank_skew_ratio") == pytest.approx(1.0, rel=0.01)  # not from a half
+
+
+def test_ranks_that_count_different_requests_are_not_compared() -> None:
+    """Rank 1 missed a begin: its request 1 is rank 0's request 2.  It began after rank 0 had left that
+    request's first collective, so the request is dropped, and logged, instead of read as a skew."""
+    clock = Clock()
+    r0, r1, _ch, registry = two_ranks(clock)
+    request(r0, r1, clock, compute=[0.01, 0.01], late_exit=[0, 0])
+    r0.begin_request()  # request 1 on rank 0 only
+    collectives([r0.timeline, Timeline(clock)], clock, 10, [0.01, 0.01], [0, 0])
+    r0.end_request()
+    r0.timeline.steps(1, 4)
+    r1.begin_request()  # rank 1's "request 1" starts now, after rank 0 left request 1's first collective
+    collectives([r0.timeline, r1.timeline], clock, 10, [0.01, 0.03], [0, 0])
+    r1.end_request()
+    r1.timeline.steps(1, 4)
+    r1.tick()
+    r0.tick()
+    assert r0.aligner.mismatched == 1 and 1 in r0.aligner.retired
+    assert value(registry, "stepwatch_rank_skew_ratio") == pytest.approx(0, abs=1e-9)  # request 0's, kept
+
+
+def test_a_request_never_ended_is_closed_by_the_next_and_stamps_between_requests_are_dropped() -> None:
+    clock = Clock()
+    tl = Timeline(clock)
+    sh = Shipper(tl, 1)
+    tl.marks.append((1.0, 2.0))  # before any request: nowhere
+    tl.begin()
+    tl.marks.append((3.0, 4.0))
+    tl.begin()  # request 0's end failed: it is closed with 0 steps, so it leaves with the next cut
+    tl.marks.append((5.0, 6.0))
+    tl.end()
+    tl.marks.append((7.0, 8.0))  # between requests: nowhere
+    c = sh.cut()
+    assert c.ended == {0: 0} and list(c.marks[0][1]) == [3.0, 4.0] and list(c.marks[1][1]) == [5.0, 6.0]
+    assert set(c.began) == {0, 1} and 0 not in tl.by_request and tl.by_request[1] == [(5.0, 6.0)]
+
+
+def test_a_chunk_goes_as_json_and_anything_else_on_the_queue_is_skipped() -> None:
+    import pickle
+
+    import torch.distributed as dist
+
+    from tests.test_service_ranks import _free_port
+
+    c = Chunk(1, 5.0, marks={3: (2, _flat([(1.0, 2.5)]))}, ended={3: 8}, ended_cpu_wait={3: 0.25},
+              began={3: 0.5}, in_since=None, progress=2.5, inflight=True, request=3, cpu_wait=1.5)
+    assert Chunk.decode(c.encode()) == c
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    leader = StoreChannel(server, 2)
+    server.queue_push("stepwatch/ranks/1", pickle.dumps(c))  # not ours: never unpickled
+    server.queue_push("stepwatch/ranks/1", b'{"rank": 1}')
+    StoreChannel(server, 2).send(c)
+    assert leader.receive() == [c] and leader.undecodable == 2
+
+
+def test_a_follower_stops_pushing_when_rank_0_stops_popping() -> None:
+    import torch.distributed as dist
+
+    from stepwatch.exporter.ranks import MAX_QUEUED_CHUNKS
+    from tests.test_service_ranks import _free_port
+
+    server = dist.TCPStore("127.0.0.1", _free_port(), 2, is_master=True, wait_for_workers=False)
+    follower = StoreChannel(server, 2)
+    for i in range(MAX_QUEUED_CHUNKS + 5):
+        follower.send(Chunk(1, float(i)))
+    assert int(server.queue_len("stepwatch/ranks/1")) == MAX_QUEUED_CHUNKS and follower.dropped == 5
+
+
+def test_one_reporter_per_process_group_and_its_keys_carry_the_group(tmp_path: Any) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        first = RankReporter(interval=None, rank=1, world=2, hook=False)
+        assert isinstance(first.channel, StoreChannel) and first.channel.prefix.startswith("stepwatch/ranks/")
+        with pytest.raises(ValueError, match="already runs in this process"):
+            RankReporter(interval=None, rank=1, world=2, hook=False)
+        first.close()
+        RankReporter(interval=None, rank=1, world=2, hook=False).close()
+    finally:
+        dist.destroy_process_group()

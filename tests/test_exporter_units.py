@@ -275,3 +275,26 @@ def test_a_request_that_cannot_be_resolved_still_reaches_the_rank_reporter(monke
     assert ranks.steps == [(0, 3), (1, 0)]
     assert ranks.events == ["bind", "begin", "end", "begin", "end"]
     assert registry.get_sample_value("stepwatch_exporter_errors_total", {"component": "resolve"}) == 1
+
+
+@pytest.mark.parametrize("breaks", ["begin", "end"])
+def test_every_request_begins_and_ends_on_the_rank_reporter_whatever_else_fails(
+        monkeypatch: pytest.MonkeyPatch, breaks: str) -> None:
+    """Every rank must count every request: the reporter's begin comes before the instrumentation's own
+    work (which may fail), its end before the rest of the end, and a request whose bookkeeping failed still
+    reports 0 steps so the ranks' stamps of it are let go."""
+    ranks = _RecordingRanks()
+    pipe, registry = StubPipeline(), CollectorRegistry()
+    inst = instrument(pipe, registry=registry, rank_reporter=ranks)
+
+    def broken(*_args: Any) -> Any:
+        raise RuntimeError(f"{breaks} broke")
+
+    monkeypatch.setattr(inst, "_ensure_component_patches" if breaks == "begin" else "_end_request", broken)
+    pipe("p", num_inference_steps=3)
+    monkeypatch.undo()
+    pipe("p", num_inference_steps=3)
+    assert ranks.events == ["bind", "begin", "end", "begin", "end"]
+    assert ranks.steps == [(0, 0), (1, 3)]
+    component = "request.begin" if breaks == "begin" else "request.end"
+    assert registry.get_sample_value("stepwatch_exporter_errors_total", {"component": component}) == 1
