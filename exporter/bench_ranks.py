@@ -6,8 +6,8 @@ with the rank timing before issue 18 (host-timed waits summed under a lock, and 
 ``all_gather_object`` per request), and instrumented with today's (arrival/departure stamps per
 collective shipped by a thread through the store).  Both instrumented variants run the same
 exporter; only the rank reporter differs.  The stamping wrapper is module-global in diffusers, so
-each variant installs its own just for its request.  Rank 0 times the requests and writes the
-paired ratios.
+each variant installs its own just for its request, and today's shipping thread runs only while
+its variant is timed (``_Shipping``).  Rank 0 times the requests and writes the paired ratios.
 """
 
 from __future__ import annotations
@@ -19,13 +19,22 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from stepwatch.exporter.bench import _ci
-from stepwatch.exporter.ranks import _TARGET, PerRequestReporter, RankReporter, Timeline, publish_ranks, stamping
+from stepwatch.exporter.ranks import (
+    _TARGET,
+    INTERVAL_S,
+    PerRequestReporter,
+    RankReporter,
+    Timeline,
+    publish_ranks,
+    stamping,
+)
 
 VARIANTS = ("bare", "before", "now")
 
@@ -78,6 +87,51 @@ class LegacyRankReporter(PerRequestReporter):
             publish_ranks([float(v[0]) for v in values], self.metrics)
 
 
+class _Shipping:
+    """RankReporter's shipping thread, ticking once per ``interval`` of the time its variant is timed.
+
+    The reporter's own thread ticks on wall time, so it would ship (and contend for the two CPUs)
+    while the other variants are timed, and charge them for it.  This one is parked outside ``timed()``,
+    and a tick in flight when the request ends finishes before the next variant starts: the "now"
+    requests carry the shipping at its service rate, and only they do.
+    """
+
+    def __init__(self, tick: Callable[[], None], interval: float = INTERVAL_S) -> None:
+        self._tick, self._interval, self._left = tick, interval, interval
+        self._cv = threading.Condition()
+        self._on = self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="stepwatch-ranks-bench", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        self._switch(on=True)
+        try:
+            yield
+        finally:
+            self._switch(on=False)  # waits for a tick in flight: the thread ticks holding the lock
+
+    def close(self) -> None:
+        self._switch(on=False, closed=True)
+        self._thread.join()
+
+    def _switch(self, on: bool, closed: bool = False) -> None:
+        with self._cv:
+            self._on, self._closed = on, self._closed or closed
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        with self._cv:
+            while not self._closed:
+                was_on, t0 = self._on, time.perf_counter()
+                self._cv.wait(self._left if was_on else None)  # any switch wakes it
+                if was_on:  # on from t0 until now: that much of the interval has passed
+                    self._left -= time.perf_counter() - t0
+                if self._on and self._left <= 0:
+                    self._left = self._interval
+                    self._tick()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,11 +152,24 @@ def _pipelines(world: int) -> dict[str, Any]:
         pipe.transformer.set_attention_backend("native")
         pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
         pipes[name] = pipe
-    reporters = {"before": LegacyRankReporter(), "now": RankReporter()}
+    now = RankReporter(interval=None)  # shipped by _Shipping, only while "now" is timed
+    reporters = {"before": LegacyRankReporter(), "now": now}
     for name, rep in reporters.items():
         rep.uninstall()  # installed per request below: the wrapper is module-global
         instrument(pipes[name], registry=CollectorRegistry(), rank_reporter=rep)
-    return {"pipes": pipes, "reporters": reporters}
+    return {"pipes": pipes, "reporters": reporters, "shipping": _Shipping(now.tick)}
+
+
+def _timed_request(setup: dict[str, Any], name: str, size: int, steps: int, seed: int) -> float:
+    """Seconds of one request of variant ``name``; today's shipping thread runs only during "now"'s."""
+    import torch
+
+    shipping = setup["shipping"].timed() if name == "now" else nullcontext()
+    with shipping:
+        t0 = time.perf_counter()
+        setup["pipes"][name]("w1 w2 w3", height=size, width=size, num_inference_steps=steps,
+                             max_sequence_length=32, output_type="np", generator=torch.Generator().manual_seed(seed))
+        return time.perf_counter() - t0
 
 
 def _rank(rank: int, world: int, port: int, out: str, rounds: int, size: int, steps: int) -> None:
@@ -122,14 +189,12 @@ def _rank(rank: int, world: int, port: int, out: str, rounds: int, size: int, st
             if rep is not None:
                 rep.install()
             dist.barrier()
-            t0 = time.perf_counter()
-            setup["pipes"][name]("w1 w2 w3", height=size, width=size, num_inference_steps=steps,
-                                 max_sequence_length=32, output_type="np",
-                                 generator=torch.Generator().manual_seed(max(r, 0)))
+            seconds = _timed_request(setup, name, size, steps, seed=max(r, 0))
             if r >= 0:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(seconds)
             if rep is not None:
                 rep.uninstall()
+    setup["shipping"].close()
     setup["reporters"]["now"].close()
     if rank == 0:
         Path(out).write_text(json.dumps(times))

@@ -433,3 +433,26 @@ def test_one_reporter_per_process_group_and_its_keys_carry_the_group(tmp_path: A
         RankReporter(interval=None, rank=1, world=2, hook=False).close()
     finally:
         dist.destroy_process_group()
+
+
+def test_bench_shipping_ticks_only_while_its_variant_is_timed() -> None:
+    """The two-rank bench's shipping thread: parked while the other variants are timed, and ticking once
+    per interval of the "now" variant's time, summed over requests shorter than the interval."""
+    import time
+
+    from stepwatch.exporter.bench_ranks import _Shipping
+
+    ticks: list[float] = []
+    ship = _Shipping(lambda: ticks.append(time.monotonic()), interval=0.1)
+    try:
+        time.sleep(0.3)  # the other variants: three intervals, no tick
+        assert ticks == []
+        for _ in range(8):  # eight 'now' requests of 0.04 s: 0.32 s of timed time, three intervals
+            with ship.timed():
+                time.sleep(0.04)
+            n = len(ticks)
+            time.sleep(0.05)
+            assert len(ticks) == n  # nothing ships between the 'now' requests
+        assert 1 <= len(ticks) <= 4
+    finally:
+        ship.close()
