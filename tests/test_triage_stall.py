@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -87,13 +87,13 @@ def test_ranks_that_neither_wait_nor_fall_behind_leave_the_worker_itself() -> No
 def test_ranks_all_slow_outside_collectives_blame_no_rank() -> None:
     """Both ranks 30 s from progress and neither waiting: the check's query returns nothing (no rank holds up
     another; see the promtool test below), so no rank is blamed and the walk ends at the worker itself."""
-    report = Engine(ListProm(_world(2, {}, waiting=0.0)), TH).run([_stall()])  # type: ignore[arg-type]
+    report = Engine(ListProm(_world(2, {}, waiting=0.0)), TH).run([_stall()])
     d = report.incidents[0].primary
     assert report.incidents[0].cause == "worker_hung" and list(d.path)[-2:] == ["stuck_rank", "all_waiting"]
     assert {c.id: c.outcome for c in d.checks}["stuck_rank"] == "healthy"
 
 
-def _series(age: dict[str, float], wait: dict[str, float]) -> list[dict[str, str]]:
+def _series(age: Mapping[str, float], wait: Mapping[str, float]) -> list[dict[str, str]]:
     return [{"series": f'{name}{{instance="{SVC}",rank="{r}"}}', "values": str(v)}
             for name, vals in (("stepwatch_rank_progress_age_seconds", age),
                                ("stepwatch_rank_collective_wait_seconds", wait)) for r, v in vals.items()]
@@ -105,13 +105,15 @@ def test_stuck_rank_query_blames_a_rank_only_while_another_waits(tmp_path: Path)
     when every rank is slow outside collectives; under the line when every rank waits (check #5's case)."""
     check = parse.load_for_alert("StepwatchWorkerStalled").check("stuck_rank")
     expr = check.render({"instance": SVC}, TH, "drill")
-    worlds = [({"0": 30, "1": 30}, {"0": 30, "1": 0}, [{"labels": '{rank="1"}', "value": 30}]),
-              ({"0": 30, "1": 30}, {"0": 0, "1": 0}, []),
-              ({"0": 30, "1": 30}, {"0": 29.5, "1": 29.5}, [{"labels": f'{{rank="{r}"}}', "value": 0.5}
-                                                            for r in "01"])]
+    age = {"0": 30.0, "1": 30.0}
+    worlds: list[tuple[dict[str, float], list[dict[str, object]]]] = [  # (wait per rank, expected samples)
+        ({"0": 30.0, "1": 0.0}, [{"labels": '{rank="1"}', "value": 30}]),
+        ({"0": 0.0, "1": 0.0}, []),
+        ({"0": 29.5, "1": 29.5}, [{"labels": f'{{rank="{r}"}}', "value": 0.5} for r in "01"]),
+    ]
     tests = [{"interval": "5s", "input_series": _series(age, wait),
               "promql_expr_test": [{"expr": expr, "eval_time": "0s", "exp_samples": want}]}
-             for age, wait, want in worlds]
+             for wait, want in worlds]
     (tmp_path / "t.yml").write_text(yaml.safe_dump({"rule_files": [], "tests": tests}))
     r = subprocess.run([need_tool("promtool"), "test", "rules", "t.yml"], capture_output=True, text=True,
                        cwd=tmp_path, timeout=60)
