@@ -335,15 +335,17 @@ class Aligner:
         return out
 
     def finished(self) -> list[tuple[int, _Request]]:
-        """Requests every rank has finished and that are fully charged, or broken, or stale (nothing heard
-        of them for ``STALE_REQUEST_S``: marked broken): removed, and remembered as retired."""
+        """Requests every rank has finished and that are fully charged (or broken: not charged), or stale
+        (nothing heard of them for ``STALE_REQUEST_S``: marked broken): removed, and remembered as retired.
+        A broken request waits for every rank's end all the same, so its steps are counted once."""
         out = []
         now = self.clock()
         for q, req in sorted(self.requests.items()):
-            complete = len(req.steps) == self.world and all(len(m) // 2 == req.done for m in req.marks.values())
+            ended = len(req.steps) == self.world
+            complete = ended and (req.broken or all(len(m) // 2 == req.done for m in req.marks.values()))
             if not complete and now - req.last_seen > STALE_REQUEST_S:
-                req.broken = True
-            if complete or req.broken:
+                req.broken = complete = True
+            if complete:
                 out.append((q, req))
                 del self.requests[q]
                 self.retired[q] = None

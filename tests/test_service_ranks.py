@@ -122,3 +122,65 @@ def test_two_rank_service_with_a_cpu_bound_neighbour_answers_every_request_for_f
         svc.close()
     assert len(codes) >= 20, f"only {len(codes)} requests in {DURATION_S} s"
     assert busy["1"] > 1.1 * busy["0"], busy  # the crowded rank arrives last: named, past the 10% threshold
+
+
+def _compiled_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+    from prometheus_client import CollectorRegistry
+
+    from stepwatch.exporter import instrument
+    from stepwatch.exporter.ranks import RankReporter
+    from stepwatch.service.pipeline import build_pipeline
+
+    torch.set_num_threads(1)
+    torch.accelerator.device_count = lambda: 1  # type: ignore[method-assign]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    pipe = build_pipeline("flux", seed=0)
+    pipe.transformer.set_attention_backend("native")
+    pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    registry = CollectorRegistry()
+    reporter = RankReporter(interval=None)  # ticked below, so every request's stamps stay to be counted
+    instrument(pipe, registry=registry, rank_reporter=reporter)
+
+    def run(seed: int) -> None:
+        pipe("a red fox", height=256, width=256, num_inference_steps=4, max_sequence_length=32,
+             output_type="np", generator=torch.Generator().manual_seed(seed))
+
+    run(0)  # eager
+    pipe.transformer.compile_repeated_blocks(backend="aot_eager", dynamic=False)  # as the service compiles
+    run(1)  # compiles
+    run(2)  # compiled
+    stamps = {q: [list(m) for m in marks] for q, marks in reporter.timeline.by_request.items()}
+    for _ in range(2):  # rank 1 ships, then rank 0 aligns and publishes
+        if rank == 1:
+            reporter.tick()
+        dist.barrier()
+        if rank == 0:
+            reporter.tick()
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "stamps": stamps, "pending": len(reporter.aligner.requests) if reporter.aligner else -1,
+            "per_step": {r: registry.get_sample_value("stepwatch_rank_step_duration_seconds", {"rank": r})
+                         for r in "01"}}))
+    reporter.close()
+    dist.destroy_process_group()
+
+
+def test_the_stamps_survive_torch_compile_on_two_ranks(tmp_path: Path) -> None:
+    """The wrapped wait runs inside regionally compiled blocks: Dynamo must neither drop the stamps nor
+    fold the clock into a constant.  Every request, eager or compiled, stamps the same collectives with
+    real, increasing times, and rank 0 publishes the compiled request's per-rank figures."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "compiled.json"
+    mp.spawn(_compiled_rank, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    counts = {q: len(marks) for q, marks in result["stamps"].items()}
+    assert set(counts) == {"0", "1", "2"} and len(set(counts.values())) == 1 and counts["0"] > 0, counts
+    for marks in result["stamps"].values():
+        times = [t for pair in marks for t in pair]
+        assert times == sorted(times) and len(set(times)) > len(times) // 2, marks[:4]  # real clock reads
+    assert result["pending"] == 0 and all(v is not None and v > 0 for v in result["per_step"].values()), result
