@@ -198,7 +198,7 @@ def test_twenty_ooms_in_a_row_keep_serving_and_memory_flat(svc: ServiceProc, res
     assert status == 200
     info = svc.get("/v1/stepwatch/info")[1]
     rss1 = info["worker"]["rss_bytes"]
-    assert abs(rss1 - rss0) <= 0.10 * rss0, (rss0, rss1)
+    assert rss1 - rss0 <= 0.10 * rss0, (rss0, rss1)  # no growth (the worker trims after a large request: less is fine)
     m = svc.metrics()
     assert value(m, "stepwatch_worker_restarts_total") == 0
 

@@ -109,6 +109,7 @@ def test_service_killed_mid_probe_sidecar_survives(tmp_path: Path) -> None:
         assert "rest of the set skipped" in (res.error or ""), res.error
         d = scrape(registry)
         assert total(d, "stepwatch_quality_probe_failures_total") == sum(res.failures.values())
+        killer.join(timeout=70)  # closed: no longer answering 503 "shutting down" but refusing connections
         t = time.time()
         res2 = p.run_once()  # the target is down: counted, bounded, no exception
         assert res2.status == "failed" and time.time() - t < 30
