@@ -456,3 +456,15 @@ def test_bench_shipping_ticks_only_while_its_variant_is_timed() -> None:
         assert 1 <= len(ticks) <= 4
     finally:
         ship.close()
+
+
+def test_a_wait_with_another_signature_is_stamped_all_the_same() -> None:
+    clock = Clock()
+    tl = Timeline(clock)
+    tl.begin()
+
+    def wait(t: Any, *, timeout: float = 1.0) -> Any:
+        clock.t += timeout
+        return t
+
+    assert stamping(wait, tl)("x", timeout=0.25) == "x" and tl.marks == [(1000.0, 1000.25)]
