@@ -163,6 +163,7 @@ def _compiled_rank(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps({
             "stamps": stamps, "pending": len(reporter.aligner.requests) if reporter.aligner else -1,
+            "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
             "per_step": {r: registry.get_sample_value("stepwatch_rank_step_duration_seconds", {"rank": r})
                          for r in "01"}}))
     reporter.close()
@@ -183,4 +184,5 @@ def test_the_stamps_survive_torch_compile_on_two_ranks(tmp_path: Path) -> None:
     for marks in result["stamps"].values():
         times = [t for pair in marks for t in pair]
         assert times == sorted(times) and len(set(times)) > len(times) // 2, marks[:4]  # real clock reads
+    assert result["graphs"] > 0, result["graphs"]  # Dynamo did compile the blocks the stamps run in
     assert result["pending"] == 0 and all(v is not None and v > 0 for v in result["per_step"].values()), result
