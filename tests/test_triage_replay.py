@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,8 +21,9 @@ from stepwatch import httpclient
 from stepwatch.alerts import rulegen, stack
 from stepwatch.alerts.thresholds import load
 from stepwatch.promapi import Alertmanager
-from stepwatch.triage import render
+from stepwatch.triage import render, scoring
 from stepwatch.triage.engine import Alert, triage, webhook_payload
+from stepwatch.triage.evaluate import evaluate
 from stepwatch.triage.receiver import TriageServer
 from stepwatch.triage.record import load_scenario, record_scenario
 from stepwatch.triage.replay import Replay
@@ -245,14 +247,99 @@ def test_eval_over_committed_scenarios_is_perfect() -> None:
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["cases"] >= 7
-    assert summary["accuracy"] == 1.0 and summary["correct"] == summary["cases"]
+    assert tuple(summary) == scoring.KEYS
+    assert summary["cases"] >= 7 and summary["faults"] + summary["controls"] == summary["cases"]
+    assert summary["ac1"] == 1.0 and summary["ac3"] == 1.0 and 0 < summary["strict_precision"] <= 1.0
     assert summary["false_causes_on_controls"] == 0 and summary["all_clear_during_fault"] == 0
+    # reported, not a failure: every alert of the committed set has one cause, so a fixed table scores 1.0 too
+    assert 0 < summary["lookup_baseline_ac1"] <= 1.0
+    assert sum(a["cases"] for a in summary["per_alert"].values()) == summary["faults"]
+    assert "lookup baseline" in r.stdout and "AC@3" in r.stdout
     names = {p.parent.name for p in SCENARIOS.glob("*/scenario.yaml")}
     assert {"cache-threshold-1", "off-menu-resolution-1", "vae-tiling-oom-1", "queue-overload-1",
             "straggler-1"} <= names and sum(n.startswith("control-") for n in names) >= 2
     total = sum(f.stat().st_size for f in SCENARIOS.rglob("*") if f.is_file())
     assert total < 5 * 2**20  # committed data stays small
+
+
+# ----- the strict scores of `triage eval` on in-memory cases (triage/scoring.py) --------------------------
+
+def _fault(alert: str, expected: str, got: str | None, named: list[str] | None = None,
+           ranked: list[str] | None = None) -> dict[str, Any]:
+    """One scored fault case as triage.evaluate.evaluate returns it."""
+    names = named if named is not None else ([got] if got else [])
+    return {"name": f"{alert}-{expected}", "expected": expected, "alert": alert, "got": got, "control": False,
+            "ranked": ranked if ranked is not None else ([got] if got else []),
+            "named": [[c, "high"] for c in names], "verdict": "cause" if got else "no_cause"}
+
+
+def _control(named: list[list[str]] | None = None) -> dict[str, Any]:
+    return {"name": "control", "expected": None, "alert": None, "got": None, "control": True, "ranked": [],
+            "named": named or [], "verdict": "cause" if named else "no_cause"}
+
+
+def test_scores_have_exactly_the_issue_keys_and_count_cases() -> None:
+    s = scoring.summarize([_fault("A", "x", "x"), _fault("B", "y", "z"), _control()])
+    assert tuple(s) == scoring.KEYS
+    assert (s["cases"], s["faults"], s["controls"]) == (3, 2, 1)
+    assert s["ac1"] == 0.5 and s["strict_precision"] == 0.5
+    assert s["per_cause"] == {"x": {"cases": 1, "ac1": 1.0}, "y": {"cases": 1, "ac1": 0.0}}
+
+
+def test_lookup_baseline_is_1_when_every_alert_has_one_cause() -> None:
+    cases = [_fault("A", "x", "x"), _fault("A", "x", "y"), _fault("B", "z", "z")]
+    s = scoring.summarize(cases)
+    assert s["lookup_baseline_ac1"] == 1.0 and s["ac1"] == round(2 / 3, 4)
+    assert s["per_alert"]["A"] == {"cases": 2, "ac1": 0.5, "lookup_ac1": 1.0, "causes": ["x"]}
+
+
+def test_lookup_baseline_is_half_when_one_alert_has_two_causes_equally_often() -> None:
+    s = scoring.summarize([_fault("A", "x", "x"), _fault("A", "y", "y")])
+    assert s["lookup_baseline_ac1"] == 0.5 and s["ac1"] == 1.0
+    assert s["per_alert"]["A"] == {"cases": 2, "ac1": 1.0, "lookup_ac1": 0.5, "causes": ["x", "y"]}
+
+
+def test_strict_precision_is_half_when_two_causes_are_named_and_one_is_right() -> None:
+    s = scoring.summarize([_fault("A", "x", "x", named=["x", "other"])])
+    assert s["strict_precision"] == 0.5 and s["ac1"] == 1.0
+    assert scoring.summarize([_fault("A", "x", "y", named=["y", "z"])])["strict_precision"] == 0.0
+
+
+def test_ac3_counts_the_engines_ranked_alternatives() -> None:
+    cases = [_fault("A", "x", "y", ranked=["y", "w", "x"]), _fault("A", "x", "y", ranked=["y", "w", "v", "x"])]
+    s = scoring.summarize(cases)
+    assert s["ac1"] == 0.0 and s["ac3"] == 0.5
+
+
+def test_a_control_naming_a_cause_is_a_false_cause_not_precision() -> None:
+    cases = [_fault("A", "x", "x"), _control([["x", "medium"]]), _control([["y", "low"]]), _control()]
+    s = scoring.summarize(cases)
+    assert s["false_causes_on_controls"] == 1  # the low-confidence one is not counted
+    assert s["strict_precision"] == 1.0 and s["controls"] == 3
+
+
+def test_a_fault_with_no_incident_for_its_alert_is_missed_and_all_clear() -> None:
+    s = scoring.summarize([_fault("A", "x", None, named=["x"]), _fault("B", "y", "y")])
+    assert s["ac1"] == 0.5 and s["ac3"] == 0.5 and s["all_clear_during_fault"] == 1
+    failed = {**_fault("C", "z", None), "verdict": "error"}  # a replay that failed: missed, but triage said nothing
+    assert scoring.summarize([failed])["all_clear_during_fault"] == 0
+
+
+def test_eval_scores_only_the_incident_holding_the_expected_alert(tmp_path: Path) -> None:
+    """A scenario whose expected alert is not among the alerts is missed, not scored on another incident."""
+    src = SCENARIOS / "vae-tiling-oom-1"
+    dst = tmp_path / "wrong-alert"
+    dst.mkdir()
+    (dst / "samples.om.gz").write_bytes((src / "samples.om.gz").read_bytes())
+    text = (src / "scenario.yaml").read_text().replace("expected_alert: StepwatchMemoryPressure",
+                                                       "expected_alert: StepwatchNoSuchAlert")
+    (dst / "scenario.yaml").write_text(text)
+    r = evaluate(dst)
+    assert r["got"] is None and r["ranked"] == [] and not r["correct"] and r["verdict"] == "no_cause"
+    assert {c for c, _ in r["named"]} == {"vae_tiling_off", "recompile_unwarmed_shape"}
+    good = evaluate(src)
+    assert good["correct"] and good["ranked"][0] == "vae_tiling_off"
+    assert scoring.precision_of(good) == 0.5  # the report also names recompile_unwarmed_shape
 
 
 # ----- a failing probe and the worker behind it, on real PromQL (synthetic series, drill profile) ---------

@@ -1,8 +1,11 @@
 """``stepwatch triage eval``: score triage on recorded scenarios (the replay and scoring: triage/evaluate.py).
 
-With --json the last line is one JSON object:
-{"cases", "correct", "accuracy", "false_causes_on_controls", "all_clear_during_fault"}.
-Exit status 0 when every case is correct, 1 otherwise, 2 when nothing could be replayed.
+With --json the last line is one JSON object (the strict scores of issue 13, defined in
+triage/scoring.py): {"cases", "faults", "controls", "ac1", "ac3", "strict_precision",
+"false_causes_on_controls", "all_clear_during_fault", "lookup_baseline_ac1", "per_alert", "per_cause"}.
+Exit status 0 when every case is correct, 1 otherwise, 2 when nothing could be replayed.  The
+lookup baseline is reported, never an exit status: on a set where each alert has one cause it is
+high by construction, and saying so is the point.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import time
 from pathlib import Path
 
 from stepwatch.fault_injection.stack import exit_on_sigterm
-from stepwatch.triage.evaluate import default_scenarios, evaluate_all, scenario_dirs, summarize, summary_line, table
+from stepwatch.triage.evaluate import correct_count, default_scenarios, evaluate_all, scenario_dirs, summary_line, table
+from stepwatch.triage.scoring import alert_table, summarize
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +53,8 @@ def _run(args: argparse.Namespace) -> int:
             print(json.dumps({"cases": len(results), "replayed": 0, "error": msg}))
         return 2
     summary = summarize(results)
+    print("\n" + alert_table(summary))
     print("\n" + summary_line(results, summary, time.time() - t0))
     if args.json:
         print(json.dumps(summary))
-    return 0 if summary["correct"] == summary["cases"] else 1
+    return 0 if correct_count(results) == len(results) else 1
