@@ -366,6 +366,9 @@ class Service:
             "steps": reply.get("steps"), "cache": reply.get("cache"), "instance_id": self.instance_id,
             "fingerprint_id": fingerprint_id(self.fingerprint), "seed": req.seed,
             "nonfinite_images": reply.get("nonfinite", 0),
+            # with ranks: the per-rank busy time of the last request every rank finished, usually the one
+            # before this (``requests_ago``): the ranks ship their timings in the background
+            **({"ranks": reply["ranks"]} if reply.get("ranks") else {}),
         }
 
     def info(self) -> dict[str, Any]:

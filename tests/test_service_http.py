@@ -362,6 +362,8 @@ def test_two_ranks_report_and_a_delayed_rank_shows_as_skew(tmp_path: Path) -> No
         status, body, _ = s.generate(size="256x256", seed=0, steps=8)
         assert status == 200
         m = rank_steps_settled(s, since=m0, steps=32)
+        ranks = s.generate(size="256x256", seed=1, steps=8)[1]["stepwatch"]["ranks"]
+        assert len(ranks["step_seconds"]) == 2 and ranks["requests_ago"] >= 1, ranks  # the last whole request
         r0 = value(m, "stepwatch_rank_step_duration_seconds", rank="0")
         r1 = value(m, "stepwatch_rank_step_duration_seconds", rank="1")
         assert r1 > r0 * 1.1, (r0, r1)  # rank 1 is the straggler
