@@ -101,6 +101,9 @@ class Drill:
     silent: tuple[str, ...] = ()  # thresholds keys that must NOT fire
     needs_ranks = 1
     health_turns_red = False  # the fault itself makes /readyz (or /healthz) fail: checked, not a failure
+    # Answers the baseline traffic may get while the fault is in (runbooks/drills.md: every request that is not
+    # the fault's own answers 200); a drill whose fault is the whole service widens it and says why.
+    baseline_accepts: frozenset[int] = frozenset({200})
     description = ""
 
     def __init__(self, th: Thresholds, spec: DrillSpec | None = None, criteria: Criteria | None = None) -> None:
@@ -276,6 +279,7 @@ class QueueOverload(Drill):
     name = "queue-overload"
     doc_id = "queue_overload"
     companions = ("probe_failing",)
+    baseline_accepts = frozenset({200, 429})  # the burst fills the queue every client shares: 429 + Retry-After
     description = ("A burst beyond capacity: the estimated wait passes SLO/2 (scale out), then the hard limit: "
                    "clients get 429 with Retry-After, and no request is lost.")
 
@@ -397,6 +401,8 @@ class WorkerStall(Drill):
     companions = ("probe_failing", "error_ratio", "queue_wait", "step_time_regression")
     needs_ranks = 2
     health_turns_red = True
+    # Requests held by the frozen worker end 504 (its restart) or 503 (not ready); the queue behind it may fill.
+    baseline_accepts = frozenset({200, 429, 503, 504})
     description = ("One rank frozen with SIGSTOP mid-traffic: the other waits for it in a collective. The stall "
                    "alert fires, /readyz turns 503, triage names the collective hang and the frozen rank; after "
                    "SIGCONT (or the service's restart of the worker) the service serves again.")
@@ -567,7 +573,7 @@ class Runner:
             self._inject_and_watch(drill, r, w)
             self._resolve(drill, r, w)
             _attempt(r, "check after restore", lambda: drill.after(self.stack, r))
-            r.details["baseline_traffic_codes"] = {str(k): v for k, v in sorted(traffic.codes.items())}
+        self._judge_baseline_traffic(drill, r, traffic)
         self._judge(drill, r, w)
         if self.record_dir is not None:
             self._record(drill, r, self.record_dir)
@@ -578,7 +584,11 @@ class Runner:
 
     # ----- the phases -------------------------------------------------------------------------
     def _steady(self, drill: Drill, r: DrillResult, w: _Watch, steady_s: float) -> bool:
-        """Baseline traffic until the drill's alert and every critical are quiet; False: aborted, unhealthy."""
+        """Baseline traffic until the drill's alert and every critical are quiet; False: aborted.
+
+        The drill's own alert must be neither firing nor pending when the fault goes in: an alert
+        already on its way would be "detected" without the fault having anything to do with it.
+        """
         self.progress(f"[{drill.name}] baseline traffic; waiting until nothing fires")
         time.sleep(steady_s)
         w.leftover = self.wait_quiet({drill.expected} | self.critical, r=r)
@@ -587,11 +597,41 @@ class Runner:
         already = self._firing_names(r)
         if already:
             r.notes.append(f"firing before injection (not counted against the drill): {sorted(already)}")
+        states = self._states_of(drill.expected, r)
+        r.checks["quiet_before_injection"] = not states
+        if states:
+            r.failures.append(f"{drill.expected} was already {'/'.join(sorted(states))} when the fault was due to "
+                              "go in: aborted (it cannot be detected)")
+            return False
         r.checks["healthy_before"] = self.stack.healthy()
         if not r.checks["healthy_before"]:
             r.service_survived = False
             r.failures.append("service unhealthy before injection: aborted")
         return r.checks["healthy_before"]
+
+    def _states_of(self, name: str, r: DrillResult, timeout: float | None = None) -> set[str]:
+        """The states (pending, firing) ``name`` is in, after waiting up to the quiet deadline for none."""
+        deadline = time.time() + (self.criteria.quiet_deadline_s if timeout is None else timeout)
+        while True:
+            try:
+                states = {str(a.get("state")) for a in self.stack.prom.alerts()
+                          if a.get("labels", {}).get("alertname") == name}
+            except PromError as e:
+                states = {f"unknown (Prometheus: {e})"}
+            if not states or time.time() >= deadline:
+                return states
+            time.sleep(2)
+
+    def _judge_baseline_traffic(self, drill: Drill, r: DrillResult, traffic: Traffic) -> None:
+        """Every baseline request answered 200 (or what the drill's fault makes of the whole service)."""
+        codes = dict(traffic.codes)
+        r.details["baseline_traffic_codes"] = {str(k): v for k, v in sorted(codes.items())}
+        bad = {c: n for c, n in codes.items() if c not in drill.baseline_accepts}
+        r.checks["baseline_traffic_answered"] = bool(codes.get(200)) and not bad
+        if bad:
+            r.failures.append(f"baseline traffic got {sum(bad.values())} answer(s) other than "
+                              f"{'/'.join(map(str, sorted(drill.baseline_accepts)))}: {bad}"
+                              + (f" ({traffic.errors[0]})" if traffic.errors else ""))
 
     def _inject_and_watch(self, drill: Drill, r: DrillResult, w: _Watch) -> None:
         """Fault in; watch for the alert and its webhook; triage and the drill's checks while firing; fault out.

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -92,6 +93,28 @@ class Notification:
     def names(self, status: str | None = "firing") -> set[str]:
         return {a["labels"].get("alertname", "") for a in self.alerts if status is None or a.get("status") == status}
 
+    def fired_since(self, alertname: str, since: float) -> bool:
+        """Does it notify ``alertname`` firing, as an alert that became active at ``since`` or later?
+
+        A repeat notification of an alert already active before (Alertmanager resends firing alerts
+        every repeat interval, and on each group change) proves nothing about a fault injected since.
+        """
+        return any(a["labels"].get("alertname") == alertname and a.get("status") == "firing"
+                   and (starts_at(a.get("startsAt")) or 0.0) >= since - 1.0 for a in self.alerts)
+
+
+def starts_at(stamp: Any) -> float | None:
+    """Unix seconds of an RFC 3339 ``startsAt`` (nanoseconds cut to microseconds), or None."""
+    if not isinstance(stamp, str) or not stamp or stamp.startswith("0001-"):
+        return None
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    digits = "".join(ch for ch in frac if ch.isdigit())[:6]
+    try:
+        t = datetime.fromisoformat(head).replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+    return t.timestamp() + (int(digits) / 10 ** len(digits) if digits else 0.0)
+
 
 class WebhookReceiver:
     """Alertmanager's webhook receiver: records every notification with its arrival time.
@@ -139,7 +162,7 @@ class WebhookReceiver:
     def first_firing(self, alertname: str, since: float) -> Notification | None:
         with self._lock:
             for n in self.received:
-                if n.received >= since and alertname in n.names("firing"):
+                if n.received >= since and n.fired_since(alertname, since):
                     return n
         return None
 

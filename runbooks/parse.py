@@ -87,7 +87,9 @@ NEXT, END = "next", "end"
 Outcome = Literal["healthy", "unhealthy", "unknown"]
 EMPTY = ("healthy", "unhealthy", "unknown")
 CHECK_KEYS = {"id", "query", "healthy", "if_unhealthy", "if_healthy", "empty", "explained_by"}
-PSEUDO_LABELS = {"instance_host": "instance"}  # derived placeholders: the instance without its port
+# Derived placeholders: the instance without its port; the shape's resolution without its steps and CFG
+# ("512x512_8s" -> "512x512"), which is all a compiled graph depends on (warm-up runs fewer steps).
+PSEUDO_LABELS = {"instance_host": "instance", "shape_resolution": "shape"}
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt, ">": operator.gt,
@@ -167,6 +169,8 @@ class Check:
         labels = dict(labels or {})
         if "instance" in labels and "instance_host" not in labels:
             labels["instance_host"] = labels["instance"].rsplit(":", 1)[0]
+        if "shape" in labels and "shape_resolution" not in labels:
+            labels["shape_resolution"] = labels["shape"].split("_", 1)[0]
 
         def label(m: re.Match[str]) -> str:
             return str(labels.get(m.group(1), "")).replace("\\", "\\\\").replace('"', '\\"')
@@ -178,12 +182,14 @@ class Check:
               profile: str = "production") -> Outcome:
         """healthy when every returned sample satisfies ``healthy``; ``empty`` when none came back.
 
-        NaN never satisfies a condition, so a NaN sample is unhealthy.
+        A NaN sample is no answer, not a bad one: it is what a ratio of two zero rates gives
+        (OOM errors among no errors, 0/0), so it is left out, and a check that returned only
+        NaN has the outcome of an empty one.
         """
-        vals = list(values)
+        vals = [v for v in values if not math.isnan(v)]
         if not vals:
             return self.empty
-        ok = all(not math.isnan(v) and self.healthy.holds(v, thresholds, profile) for v in vals)
+        ok = all(self.healthy.holds(v, thresholds, profile) for v in vals)
         return "healthy" if ok else "unhealthy"
 
     def next_step(self, outcome: Outcome) -> str:

@@ -41,6 +41,9 @@ from stepwatch.service.worker_client import WorkerClient, WorkerDied, exit_text
 log = logging.getLogger("stepwatch.service")
 
 CODES = ("200", "429", "500", "503", "507")  # created at 0 per pool: a pool's first error is a visible increase
+# Knobs whose override of the start-up value triage asks about ("did someone change it?"): a value, not a
+# count of label sets, so a knob set and restored, or a restart, reads as unchanged.
+OVERRIDABLE = ("cache", "cache_threshold", "vae_tiling", "compile")
 Answer = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, headers
 
 
@@ -89,6 +92,7 @@ class Service:
         self.worker = WorkerClient(cfg, self.on_worker_ready, self._on_fatal, self.on_worker_died)
         self.fingerprint: dict[str, Any] = {}
         self.knobs: dict[str, Any] = {}
+        self.started_knobs: dict[str, Any] | None = None  # the knobs of the first ready worker: the deployment's
         self.fatal: str | None = None
         self._quick_deaths = 0  # worker deaths since it was last ready
         self.started = time.time()
@@ -147,6 +151,8 @@ class Service:
     def on_worker_ready(self, msg: ReadyMsg) -> None:
         self.fingerprint = msg["fingerprint"]
         self.knobs = msg.get("knobs", {})
+        if self.started_knobs is None:
+            self.started_knobs = {k: self.knobs.get(k) for k in OVERRIDABLE}
         lp = msg.get("ledger")
         if lp:
             pf, ph, pw = lp["patch"]
@@ -202,6 +208,10 @@ class Service:
         # Info metrics keep old label sets; clear so only the current config shows.
         self.m.service_config.clear()
         self.m.service_config.info(info)
+        started = self.started_knobs or {}
+        for k in OVERRIDABLE:
+            self.m.service_knob_override_active.labels(knob=k).set(
+                int(k in started and self.knobs.get(k) != started[k]))
 
     # ----- dispatch -------------------------------------------------------------------------
     def _dispatch_loop(self) -> None:

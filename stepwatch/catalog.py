@@ -152,6 +152,9 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_service_ready", "gauge", "1 once warm-up finished.", (), "service"),
     _m("stepwatch_service_config", "info",
        "Runtime knobs and the deployment fingerprint of the service.", (), "service"),
+    _m("stepwatch_service_knob_override_active", "gauge",
+       "1 while a runtime knob (cache, cache_threshold, vae_tiling, compile) differs from the value the "
+       "service started with; 0 again once it is restored.", ("knob",), "service"),
     # --- sidecar: NVML ------------------------------------------------------------------
     _m("stepwatch_nvml_up", "gauge", "1 when NVML initialized and answered.", (), "sidecar"),
     _m("stepwatch_gpu_memory_used_bytes", "gauge", "Device memory in use.", ("gpu",), "sidecar"),

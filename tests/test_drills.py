@@ -8,13 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from stepwatch.alerts.thresholds import load
 from stepwatch.fault_injection.criteria import load as load_criteria
-from stepwatch.fault_injection.drills import ALL_DRILLS, DRILLS, SEED_DRILLS, DrillResult
+from stepwatch.fault_injection.drills import ALL_DRILLS, DRILLS, SEED_DRILLS, DrillResult, Runner, _Watch
+from stepwatch.fault_injection.stack import Notification, starts_at
 from stepwatch.fault_injection.report import render_markdown
 from stepwatch.runbooks.parse import CAUSES, load_drills
 
@@ -53,6 +55,78 @@ def test_report_markdown_has_the_table_and_the_failures() -> None:
                                  "expected_alert": "StepwatchQualityDrop", "time_to_detect_s": 21.4,
                                  "alerts_fired": [], "service_survived": True,
                                  "triage_cause": "cache_threshold_too_high"}
+
+
+class _AlertsProm:
+    """Prometheus' alerts API, answering with given alert states (one per call, the last one repeating)."""
+
+    def __init__(self, *states: list[dict]) -> None:
+        self.states = list(states)
+
+    def alerts(self) -> list[dict]:
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def firing(self) -> list[dict]:
+        return [a for a in self.alerts() if a["state"] == "firing"]
+
+
+class _QuietStack:
+    def __init__(self, prom: _AlertsProm) -> None:
+        self.prom = prom
+
+    def healthy(self) -> bool:
+        return True
+
+
+def _pending(name: str) -> dict:
+    return {"labels": {"alertname": name}, "state": "pending"}
+
+
+def test_a_drill_whose_alert_is_already_pending_is_not_run() -> None:
+    """Detecting an alert that was on its way before the fault went in proves nothing: the drill fails."""
+    drill = DRILLS["cache-threshold"](TH)
+    runner = Runner(_QuietStack(_AlertsProm([_pending(drill.expected)])), TH)  # type: ignore[arg-type]
+    runner.criteria = replace(runner.criteria, quiet_deadline_s=0.0)
+    r = DrillResult(drill.name, drill.expected)
+    assert not runner._steady(drill, r, _Watch(), steady_s=0)
+    assert r.checks["quiet_before_injection"] is False and "already pending" in r.failures[0]
+    # It clears while the runner waits: the drill goes on.
+    quiet = Runner(_QuietStack(_AlertsProm([_pending(drill.expected)], [])), TH)  # type: ignore[arg-type]
+    quiet.criteria = replace(quiet.criteria, quiet_deadline_s=30.0)
+    r2 = DrillResult(drill.name, drill.expected)
+    assert quiet._steady(drill, r2, _Watch(), steady_s=0) and r2.checks["quiet_before_injection"]
+
+
+def test_baseline_traffic_must_get_200s() -> None:
+    class Codes:
+        def __init__(self, codes: dict[int, int]) -> None:
+            self.codes, self.errors = codes, ["ReadTimeout: timed out"] if 0 in codes else []
+
+    cache = DRILLS["cache-threshold"](TH)
+    runner = Runner(_QuietStack(_AlertsProm([])), TH)  # type: ignore[arg-type]
+    for codes, ok in (({200: 40}, True), ({200: 39, 503: 1}, False), ({200: 38, 0: 2}, False), ({}, False)):
+        r = DrillResult(cache.name, cache.expected)
+        runner._judge_baseline_traffic(cache, r, Codes(codes))  # type: ignore[arg-type]
+        assert r.checks["baseline_traffic_answered"] is ok, codes
+        assert bool(r.failures) is (not ok and bool(codes))
+    stall, r = DRILLS["worker-stall"](TH), DrillResult("worker-stall", "StepwatchWorkerStalled")
+    runner._judge_baseline_traffic(stall, r, Codes({200: 30, 504: 2, 503: 3}))  # type: ignore[arg-type]
+    assert r.checks["baseline_traffic_answered"] and r.details["baseline_traffic_codes"] == {
+        "200": 30, "503": 3, "504": 2}
+
+
+def test_only_a_notification_of_an_alert_active_since_the_fault_counts() -> None:
+    t0 = 1_800_000_000.0
+
+    def note(received: float, starts: str) -> Notification:
+        return Notification(received, "firing", [{"status": "firing", "labels": {"alertname": "StepwatchRankSkew"},
+                                                  "startsAt": starts}])
+
+    assert starts_at("2027-01-15T08:00:00.5Z") == t0 + 0.5 and starts_at("0001-01-01T00:00:00Z") is None
+    repeat = note(t0 + 30, "2027-01-15T07:58:00.123456789Z")  # a resend of an alert active two minutes before
+    fresh = note(t0 + 31, "2027-01-15T08:00:20.000000001Z")
+    assert not repeat.fired_since("StepwatchRankSkew", t0) and fresh.fired_since("StepwatchRankSkew", t0)
+    assert not fresh.fired_since("StepwatchQualityDrop", t0)
 
 
 def _run_drills(names: list[str], out: Path) -> tuple[int, dict, str]:

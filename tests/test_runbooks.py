@@ -213,9 +213,11 @@ def test_judge_and_follow(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
     hits = rb.check("hits_up")
     assert hits.judge([0.1, 0.2], th) == "healthy"
     assert hits.judge([0.1, 0.31], th) == "unhealthy"
-    assert hits.judge([float("nan")], th) == "unhealthy"
+    assert hits.judge([float("nan")], th) == "unknown"  # 0/0 is no answer: the check's empty outcome
+    assert hits.judge([0.1, float("nan")], th) == "healthy"
     assert hits.judge([], th) == "unknown"
-    assert rb.check("cache_hitting").judge([], th) == "healthy"
+    assert rb.check("cache_kind").judge([0.0], th) == "healthy"
+    assert rb.check("cache_kind").judge([float("nan")], th) == "unknown"
     outcomes = {"fingerprint": "healthy", "one_instance": "healthy", "hits_up": "unhealthy"}
     cause, trail = parse.follow(rb, lambda c: outcomes[c.id])  # type: ignore[return-value]
     assert cause == "cache_threshold_too_high"
@@ -226,6 +228,13 @@ def test_judge_and_follow(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
     shift = runbooks["StepwatchCacheHitRateShift"]
     cause, trail = parse.follow(shift, lambda c: "healthy" if c.id == "direction" else "unhealthy")
     assert cause == "cache_disabled" and [s.check.id for s in trail] == ["direction", "cache_running"]
+    # More hits with the threshold as it started but another cache kind: a config change, not a threshold.
+    up = {"direction": "unhealthy", "distilled": "healthy", "knob_up": "healthy", "kind_up": "unhealthy"}
+    cause, trail = parse.follow(shift, lambda c: up[c.id])  # type: ignore[return-value]
+    assert cause == "config_changed" and [s.check.id for s in trail] == list(up)
+    # Nothing changed on the instance: the prompts did.
+    cause, _ = parse.follow(shift, lambda c: {**up, "kind_up": "healthy"}[c.id])  # type: ignore[return-value]
+    assert cause == "prompt_mix_shift"
 
 
 def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[str, parse.Runbook]) -> None:

@@ -31,6 +31,11 @@ def restore(svc: ServiceProc) -> Iterator[None]:
     yield
     status, body, _ = svc.knobs(cache="first_block_cache", cache_threshold=0.5, vae_tiling=True)
     assert status == 200, body
+    # Back at the values it started with: no knob reads as overridden (a value, not a history of label sets).
+    m = svc.metrics()
+    assert {k: value(m, "stepwatch_service_knob_override_active", knob=k)
+            for k in ("cache", "cache_threshold", "vae_tiling", "compile")} == dict.fromkeys(
+        ("cache", "cache_threshold", "vae_tiling", "compile"), 0)
 
 
 def png(b64: str) -> Image.Image:
@@ -104,6 +109,8 @@ def test_cache_knob_changes_the_hit_rate(svc: ServiceProc, restore: None) -> Non
     cfg_info = [ls for (n, ls) in after if n == "stepwatch_service_config_info"]
     assert len(cfg_info) == 1 and ("cache_threshold", "5.0") in cfg_info[0]
     assert ("config_id", body["config_id"]) in cfg_info[0]
+    assert value(after, "stepwatch_service_knob_override_active", knob="cache_threshold") == 1
+    assert value(after, "stepwatch_service_knob_override_active", knob="cache") == 0
 
 
 def test_vae_tiling_off_oom_fails_the_request_and_the_next_succeeds(svc: ServiceProc, restore: None) -> None:

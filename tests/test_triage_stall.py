@@ -19,7 +19,7 @@ from stepwatch.alerts import rulegen
 from stepwatch.alerts.thresholds import load
 from stepwatch.promapi import Sample
 from stepwatch.runbooks import parse
-from stepwatch.triage.engine import Alert, Engine
+from stepwatch.triage.engine import SYMPTOM_QUERY_PREFIX, Alert, Engine
 from tests.conftest import need_tool
 
 TH = load()
@@ -36,7 +36,7 @@ class ListProm:
         self.rules = rules
 
     def query(self, expr: str, at: float | None = None) -> list[Sample]:
-        if expr == "vector(1)":
+        if expr == "vector(1)" or expr.startswith(SYMPTOM_QUERY_PREFIX):  # the alert's own condition holds
             return [Sample({}, 1.0)]
         for pattern, value in self.rules:
             if re.search(pattern, expr, re.S):

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from stepwatch.alerts import rulegen
+from stepwatch.alerts import defs, rulegen
 from stepwatch.alerts.defs import refers_to
-from stepwatch.alerts.thresholds import Thresholds, load, parse_duration
+from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError, load, parse_duration
 from stepwatch.promapi import PromError, Prometheus
 from stepwatch.runbooks.parse import CAUSES, END, Check, Runbook, RunbookError, follow, load_for_alert, load_for_url
 
@@ -163,6 +163,21 @@ def _thresholds() -> Thresholds:
     return load()
 
 
+SYMPTOM_ID = "symptom"
+SYMPTOM_QUERY_PREFIX = "count_over_time(("
+
+
+def symptom_query(th: Thresholds, spec: AlertSpec, profile: str) -> tuple[str, str]:
+    """(PromQL, lookback): the evaluations in which the alert's expression held, over ``for:`` + 3 evaluations.
+
+    The expression is the one the rules were generated from (the AlertDef), for the alert's profile.
+    """
+    every = int(parse_duration(th.profiles[profile].evaluation_interval))
+    lookback = f"{int(spec.for_seconds(profile)) + 3 * every}s"
+    expr = rulegen.tidy(defs.alert_def(spec).expr(th, spec, profile))
+    return f"{SYMPTOM_QUERY_PREFIX}{expr}\n)[{lookback}:{every}s])", lookback
+
+
 # ----- one check, one alert -----------------------------------------------------------------------
 
 @dataclass
@@ -277,7 +292,7 @@ def _join_of(rb: Runbook, results: Mapping[str, CheckResult], path: Sequence[str
     for cid in path:
         c, r = rb.check(cid), results[cid]
         if c.explained_by and r.outcome == "unhealthy":
-            bad = [lab for lab, x in r.values if math.isnan(x) or not c.healthy.holds(x, th, profile)]
+            bad = [lab for lab, x in r.values if not math.isnan(x) and not c.healthy.holds(x, th, profile)]
             labels = {k: v for k, v in (bad[0] if bad else {}).items() if k not in ("__name__", "job")}
             return Join(c.explained_by, labels, r)
     return None
@@ -299,6 +314,12 @@ class Diagnosis:
     confidence: Confidence = "none"
     error: str | None = None  # no runbook, or nothing could be checked
     explained_by: Join | None = None  # the alert whose incident this one is a symptom of (runbook's explained_by)
+    symptom: CheckResult | None = None  # the alert's own condition, looked for in the data before any check
+
+    @property
+    def symptom_not_seen(self) -> bool:
+        """The alert's own condition never held over its lookback: a false alarm (or data that is gone)."""
+        return self.symptom is not None and self.symptom.outcome == "healthy"
 
     @property
     def could_not_check(self) -> bool:
@@ -329,6 +350,10 @@ class Diagnosis:
         """What a person should do or look at next, from the runbook's Mitigation section."""
         if self.runbook is None:
             return "no runbook for this alert: read its description and escalate"
+        if self.symptom_not_seen:
+            return ("the alert's condition does not hold in Prometheus' data, so no runbook check was run: "
+                    "if it still fires, compare the rule Prometheus evaluates with `stepwatch rules generate "
+                    "--check` and look at its series by hand (a relabelled or dropped metric, another rule source)")
         if self.could_not_check:
             first = next((c.error for c in self.checks if c.error), None) or "unknown error"
             return (f"no check of {self.runbook.file} could run (first error: {first}): run its checks by hand "
@@ -351,6 +376,7 @@ class Diagnosis:
                 "panel": self.panel, "cause": self.cause, "confidence": self.confidence, "error": self.error,
                 "path": self.path, "flow_end": self.flow_end, "next_step": self.next_step(),
                 "explained_by": self.explained_by.to_json() if self.explained_by else None,
+                "symptom": self.symptom.to_json() if self.symptom else None,
                 "candidates": [c.to_json() for c in self.candidates],
                 "ruled_out": [{"cause": c, "by": r.id} for c, r in self.ruled_out()],
                 "checks": [c.to_json() for c in self.checks]}
@@ -442,6 +468,13 @@ class Engine:
         profile = alert.labels.get("profile", "production")
         if profile not in self.th.profiles:
             profile = "production"
+        d.symptom = self._symptom(rb, alert, spec, profile)
+        if d.symptom_not_seen:
+            assert d.symptom is not None
+            d.checks, d.path, d.flow_end = [d.symptom], [d.symptom.id], END
+            d.error = (f"the alert's own condition held at no evaluation in the last {d.symptom.condition.split()[-1]} "
+                       "of this data: no cause named (a false alarm, or the data is gone)")
+            return d
         results: dict[str, CheckResult] = {}
         for c in rb.checks:
             results[c.id] = self._check(rb, c, alert.labels, profile)
@@ -474,6 +507,29 @@ class Engine:
             else:
                 d.confidence = "medium"  # by elimination, or contested by another check
         return d
+
+    def _symptom(self, rb: Runbook, alert: Alert, spec: AlertSpec | None, profile: str) -> CheckResult | None:
+        """Look for the alert's own condition in the data before asking its runbook why it holds.
+
+        A runbook's checks explain a symptom; run on data without it (an alert replayed onto a
+        quiet window, a rule that is not this source's) they still find *something* (a 0/0, a
+        ratio that wanders), so a cause would be invented.  Seen: some series of the alert's
+        expression, over its ``for:`` plus three evaluations, carries the alert's labels.
+        None: no definition here to look with (an alert of another source), so the runbook runs.
+        """
+        if spec is None or spec.key not in defs.ALERTS:
+            return None
+        try:
+            query, lookback = symptom_query(self.th, spec, profile)
+        except (ThresholdsError, KeyError, ValueError):
+            return None
+        values, err = self._run(query)
+        keys = (set(defs.ALERTS[spec.key].labels) | {"job"}) & set(alert.labels)
+        mine = [(lab, v) for lab, v in values if all(lab.get(k, alert.labels[k]) == alert.labels[k] for k in keys)]
+        outcome: Outcome = "error" if err is not None else "unhealthy" if mine else "healthy"
+        return CheckResult(rb.file, 0, SYMPTOM_ID, "Does the alert's own condition hold in the data?", query,
+                           f"no series over {lookback}", outcome, "next" if mine else END, "next", END, mine, err,
+                           on_path=True)
 
     def _check(self, rb: Runbook, c: Check, labels: Mapping[str, str], profile: str) -> CheckResult:
         try:
