@@ -1,9 +1,9 @@
-"""A drill campaign: the chosen drills, one local stack per rank count, calibrated baselines, the report.
+"""A drill campaign: the chosen drills, one local stack per kind of stack, calibrated baselines, the report.
 
-``stepwatch drill`` (cli_drill) and the scenario recorder (triage/record_drills) both
-bring stacks up this way: drills that need two ranks run on a two-rank stack with
-compile off, the others on one; each stack first calibrates per-shape baselines from
-steady traffic, as a deployment's benchmark run would.
+``stepwatch drill`` (cli_drill) brings stacks up this way, and so does its ``--record`` (the triage
+scenarios): drills that need two ranks run on a two-rank stack with compile off, the others on one, and a
+drill that needs a compile backend (compile off only slows inductor) on a stack with it; each stack first
+calibrates per-shape baselines from steady traffic, as a deployment's benchmark run would.
 """
 
 from __future__ import annotations
@@ -17,42 +17,42 @@ from typing import Any
 from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
-from stepwatch.fault_injection.drills import (
-    ALL_DRILLS,
-    DRILLS,
-    SEED_DRILLS,
-    DrillResult,
-    Runner,
-    Triage,
-    calibrate_baselines,
-)
+from stepwatch.fault_injection.drills import DrillResult, Runner, Triage, calibrate_baselines
+from stepwatch.fault_injection.recording import Recording
+from stepwatch.fault_injection.registry import ALL_DRILLS, DRILLS, RIVAL_DRILLS, SEED_DRILLS
 from stepwatch.fault_injection.report import write_report
 from stepwatch.fault_injection.stack import LocalStack, StackUrls
 
 # Sequence parallelism on CPU: compile off (each rank would compile), warm-up of the traffic shapes only.
 MULTI_RANK_OVERRIDES: dict[str, Any] = {"compile": {"enabled": False}, "warmup": ["256x256", "512x512"]}
+GROUPS = {"all": ALL_DRILLS, "seeds": SEED_DRILLS, "rivals": RIVAL_DRILLS}
+StackKey = tuple[int, str]  # (ranks, compile backend: "" for the service config's)
 
 
 def expand(names: list[str]) -> list[str]:
-    """Drill names with ``all`` and ``seeds`` expanded, duplicates dropped; an unknown name is a ValueError."""
+    """Drill names with ``all``, ``seeds`` and ``rivals`` expanded, duplicates dropped; unknown: ValueError."""
     out: list[str] = []
     for n in names:
-        if n == "all":
-            out += list(ALL_DRILLS)
-        elif n == "seeds":
-            out += list(SEED_DRILLS)
+        if n in GROUPS:
+            out += list(GROUPS[n])
         elif n in DRILLS:
             out.append(n)
         else:
-            raise ValueError(f"unknown drill {n!r}; choose from {', '.join(ALL_DRILLS)}, seeds, all")
+            raise ValueError(f"unknown drill {n!r}; choose from {', '.join(ALL_DRILLS)}, {', '.join(GROUPS)}")
     return list(dict.fromkeys(out))
 
 
-def by_ranks(names: list[str]) -> dict[int, list[str]]:
-    """The drills grouped by the rank count their stack needs, in the order given."""
-    out: dict[int, list[str]] = {}
+def by_stack(names: list[str], compile_backend: str | None = None) -> dict[StackKey, list[str]]:
+    """The drills grouped by the stack they need (rank count, compile backend), in the order given.
+
+    A drill that needs a backend (compile off only slows a service that inductor made fast) gets a stack
+    of its own when the campaign runs another; two-rank stacks run compile off whatever the backend.
+    """
+    out: dict[StackKey, list[str]] = {}
     for n in names:
-        out.setdefault(DRILLS[n].needs_ranks, []).append(n)
+        d = DRILLS[n]
+        backend = "" if d.needs_ranks > 1 else (d.needs_backend or compile_backend or "")
+        out.setdefault((d.needs_ranks, backend), []).append(n)
     return out
 
 
@@ -83,7 +83,12 @@ def not_started(names: list[str], th: Thresholds, error: Exception) -> list[Dril
 
 @dataclass
 class Campaign:
-    """Runs drills stack by stack and writes the report after each stack (a later crash keeps the earlier)."""
+    """Runs drills stack by stack and writes the report after each stack (a later crash keeps the earlier).
+
+    With ``record`` (``stepwatch drill ... --record DIR``), each stack also records its controls after
+    calibration, and every drill is recorded as a triage scenario at the moment its alert fired
+    (fault_injection/recording.py).
+    """
 
     th: Thresholds
     out: Path
@@ -91,22 +96,25 @@ class Campaign:
     triage: Triage | None = None
     compile_backend: str | None = None
     attach: StackUrls | None = None
-    record_dir: Path | None = None
+    record: Recording | None = None
     snapshots: bool = True
     results: list[DrillResult] = field(default_factory=list)
     stacks: list[dict[str, Any]] = field(default_factory=list)
 
     def run(self, names: list[str]) -> Path:
         """Every drill in ``names``; the path of the final report."""
-        for ranks, group in sorted(by_ranks(names).items()):
-            self._run_group(ranks, group)
+        for key, group in sorted(by_stack(names, self.compile_backend).items()):
+            self._run_group(key, group)
         return write_report(self.out, self.results, self.th, stack=None, snapshots=False,
                             progress=self.progress, stacks=self.stacks, keep_snapshots=True)
 
-    def _run_group(self, ranks: int, group: list[str]) -> None:
-        stack = make_stack(self.out / f"stack-{ranks}rank", ranks, compile_backend=self.compile_backend,
-                           attach=self.attach, progress=self.progress)
-        self.progress(f"bringing up the local stack ({ranks} rank{'s' if ranks > 1 else ''}) for {', '.join(group)}")
+    def _run_group(self, key: StackKey, group: list[str]) -> None:
+        ranks, backend = key
+        where = f"stack-{ranks}rank" + (f"-{backend}" if backend and backend != self.compile_backend else "")
+        stack = make_stack(self.out / where, ranks, compile_backend=backend or None, attach=self.attach,
+                           progress=self.progress)
+        self.progress(f"bringing up the local stack ({ranks} rank{'s' if ranks > 1 else ''}"
+                      f"{', ' + backend if backend else ''}) for {', '.join(group)}")
         try:
             stack.start()
         except Exception as e:
@@ -115,14 +123,17 @@ class Campaign:
             return
         try:
             runner = Runner(stack, self.th, self.progress, self.triage)
-            runner.record_dir = self.record_dir
+            runner.record = self.record
             self.progress("baseline traffic to calibrate per-shape baselines (step time, cache hit rate)")
             with stack.traffic(concurrency=2):
                 calibrate(stack, self.th, self.progress)
+                if self.record is not None:
+                    self.record.controls(stack, key, self.progress)
             for n in group:
                 self.results.append(runner.run(DRILLS[n](self.th)))
-            self.stacks.append({"ranks": ranks, "service": stack.service_url, "prometheus": stack.prometheus_url,
-                                "alertmanager": stack.alertmanager_url, "workdir": str(stack.workdir)})
+            self.stacks.append({"ranks": ranks, "backend": backend or None, "service": stack.service_url,
+                                "prometheus": stack.prometheus_url, "alertmanager": stack.alertmanager_url,
+                                "workdir": str(stack.workdir)})
             write_report(self.out, self.results, self.th, stack=stack, snapshots=self.snapshots,
                          progress=self.progress, stacks=self.stacks)
         finally:

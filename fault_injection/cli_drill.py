@@ -9,7 +9,14 @@ markdown and a JSON report (with dashboard panels as PNG); exits non-zero when
 any drill fails.
 
 Drills: cache-threshold, off-menu-resolution, vae-tiling-oom (the seeds'
-three), queue-overload, straggler, straggler-neighbour and worker-stall (two ranks), or all.
+three: ``seeds``), queue-overload, straggler, straggler-neighbour and worker-stall
+(two ranks), the rival faults (``rivals``: another true cause behind an alert the
+others fire: cache-off, compile-off, fingerprint-change, cache-threshold-raise,
+cache-kind, compile-cache-dropped, worker-killed, worker-freeze), or all.
+
+``--record DIR`` re-records the triage evaluation set on the code as it is: run
+``stepwatch drill all --record triage/scenarios --suffix N`` (and
+``stepwatch triage false-alarms`` for the false-alarm controls).
 """
 
 from __future__ import annotations
@@ -23,21 +30,25 @@ from pathlib import Path
 
 from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.fault_injection.campaign import Campaign, expand
-from stepwatch.fault_injection.drills import ALL_DRILLS
+from stepwatch.fault_injection.recording import Recording
+from stepwatch.fault_injection.registry import ALL_DRILLS
 from stepwatch.fault_injection.report import summary_table
 from stepwatch.fault_injection.stack import StackUrls, exit_on_sigterm
 from stepwatch.triage.drill_hook import triage_for_drill
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("drills", nargs="+", metavar="NAME", help=f"{', '.join(ALL_DRILLS)}, seeds or all")
+    p.add_argument("drills", nargs="+", metavar="NAME", help=f"{', '.join(ALL_DRILLS)}, seeds, rivals or all")
     p.add_argument("--out", default="reports", help="report directory (default: %(default)s/drill-<time>)")
     p.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default=None,
                    help="torch.compile backend of the practice service (default: the service config's, inductor)")
     p.add_argument("--no-snapshots", action="store_true", help="skip the PNG panels in the report")
     p.add_argument("--no-triage", action="store_true", help="do not run the triage agent on each alert")
     p.add_argument("--json", action="store_true", help="end with one JSON line summarizing the drills")
-    p.add_argument("--record", metavar="DIR", help="record each drill's window as a triage scenario under DIR")
+    p.add_argument("--record", metavar="DIR",
+                   help="record the triage evaluation set under DIR: per stack two controls (steady traffic; knobs "
+                        "set and restored), then each drill when its alert fires, as <name>-<suffix>")
+    p.add_argument("--suffix", default="1", help="with --record: the recording run's suffix (default: %(default)s)")
     a = p.add_argument_group("attach to a running stack instead of starting one")
     a.add_argument("--service", help="practice service URL (its admin endpoint must be on)")
     a.add_argument("--prometheus", help="Prometheus URL (with stepwatch's drill rules loaded)")
@@ -69,10 +80,13 @@ def run(args: argparse.Namespace) -> int:
 
     campaign = Campaign(load_thresholds(), out, progress, triage=None if args.no_triage else triage_for_drill,
                         compile_backend=args.compile_backend, attach=attach,
-                        record_dir=Path(args.record) if args.record else None, snapshots=not args.no_snapshots)
+                        record=Recording(Path(args.record), args.suffix) if args.record else None,
+                        snapshots=not args.no_snapshots)
     with exit_on_sigterm():  # CI's SIGTERM still restores the fault and stops the stack (the finally blocks)
         report_path = campaign.run(names)
     print(summary_table(campaign.results, report_path))
+    if campaign.record is not None:
+        print("\n".join(str(p) for p in campaign.record.recorded))
     if args.json:
         print(json.dumps({"drills": [r.summary_json() for r in campaign.results]}))
     return 0 if all(r.passed for r in campaign.results) else 1

@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from stepwatch import httpclient
@@ -34,21 +33,18 @@ from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
+from stepwatch.fault_injection.recording import Recording
 from stepwatch.fault_injection.stack import LocalStack, Traffic
 from stepwatch.procs import die_with_parent_fn
 from stepwatch.promapi import PromError
 from stepwatch.runbooks.parse import Drill as DrillSpec
 from stepwatch.runbooks.parse import load_drills
-from stepwatch.triage.record import record_scenario
 
 log = logging.getLogger("stepwatch.drills")
 
-SEED_DRILLS = ("cache-threshold", "off-menu-resolution", "vae-tiling-oom")
-ALL_DRILLS = (*SEED_DRILLS, "queue-overload", "straggler", "straggler-neighbour", "worker-stall")
 # A CPU-bound process pinned to one CPU: the straggler the seeds describe ("another process on that GPU").
 BUSY_LOOP = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
 RECOVER_DEADLINE_S = 300.0  # a restarted two-rank worker warms up again before it is ready
-RECORD_BEFORE_S = 150.0  # a recorded scenario starts this long before the injection: the steady baseline
 
 
 @dataclass
@@ -100,6 +96,7 @@ class Drill:
     companions: tuple[str, ...] = ()  # thresholds keys of alerts that may fire with it
     silent: tuple[str, ...] = ()  # thresholds keys that must NOT fire
     needs_ranks = 1
+    needs_backend: str | None = None  # a torch.compile backend the fault needs (compile off only slows inductor)
     health_turns_red = False  # the fault itself makes /readyz (or /healthz) fail: checked, not a failure
     # Answers the baseline traffic may get while the fault is in (runbooks/drills.md: every request that is not
     # the fault's own answers 200); a drill whose fault is the whole service widens it and says why.
@@ -451,8 +448,8 @@ def _http_json(url: str) -> tuple[int, Any]:
         return 0, {"error": f"{type(e).__name__}: {e}"}
 
 
-DRILLS: dict[str, type[Drill]] = {d.name: d for d in (CacheThreshold, OffMenuResolution, VaeTilingOom,
-                                                      QueueOverload, Straggler, StragglerNeighbour, WorkerStall)}
+SEED_FAULTS: tuple[type[Drill], ...] = (CacheThreshold, OffMenuResolution, VaeTilingOom, QueueOverload, Straggler,
+                                        StragglerNeighbour, WorkerStall)
 
 
 def _scrape_s(th: Thresholds) -> float:
@@ -521,16 +518,17 @@ class Runner:
         self.progress = progress or (lambda m: None)
         self.triage = triage
         self.critical = {a.name for a in self.th.alerts.values() if a.severity == "critical"}
-        self.record_dir: Path | None = None  # record each drill's window as a triage scenario under it
+        self.record: Recording | None = None  # record each drill as a triage scenario (stepwatch drill --record)
 
-    def _record(self, drill: Drill, r: DrillResult, record_dir: Path) -> None:
+    def _record(self, drill: Drill, r: DrillResult, record: Recording) -> None:
+        if r.time_to_detect_s is None:
+            r.notes.append("not recorded as a triage scenario: the alert never fired")
+            return
+        live = {"cause": r.triage_cause, "confidence": (r.triage or {}).get("confidence"),
+                "firing": (r.triage or {}).get("firing", [])}
         try:
-            meta = {"drill": drill.name, "expected_cause": drill.cause, "expected_alert": drill.expected,
-                    "alerts": list(drill.required), "injected_at": r.injected_at,
-                    "detected_at": r.injected_at + (r.time_to_detect_s or 0.0), "restored_at": r.restored_at,
-                    "passed": r.passed}
-            path = record_scenario(self.stack.prometheus_url, r.injected_at - RECORD_BEFORE_S, r.ended_at,
-                                   record_dir / drill.name, meta)
+            path = record.drill(self.stack, drill.name, drill.cause, drill.expected, r.injected_at,
+                                r.injected_at + r.time_to_detect_s, r.ended_at, live, drill.description)
             r.notes.append(f"recorded as a triage scenario: {path}")
         except Exception as e:
             r.notes.append(f"recording the scenario failed: {type(e).__name__}: {e}")
@@ -575,8 +573,8 @@ class Runner:
             _attempt(r, "check after restore", lambda: drill.after(self.stack, r))
         self._judge_baseline_traffic(drill, r, traffic)
         self._judge(drill, r, w)
-        if self.record_dir is not None:
-            self._record(drill, r, self.record_dir)
+        if self.record is not None:
+            self._record(drill, r, self.record)
         self.progress(f"[{drill.name}] {'PASS' if r.passed else 'FAIL'}"
                       + (f" detect {r.time_to_detect_s:.1f}s" if r.time_to_detect_s is not None else "")
                       + (f"; {'; '.join(r.failures)}" if r.failures else ""))

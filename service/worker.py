@@ -223,6 +223,12 @@ class Worker:
         if "rank_delay_seconds" in knobs:
             self.rank_delays = {int(k): float(v) for k, v in (knobs["rank_delay_seconds"] or {}).items()}
             self.knobs["rank_delay_seconds"] = {str(k): v for k, v in self.rank_delays.items()}
+        if knobs.get("drop_compiled_graphs"):
+            # What an evicted compiled-graph cache does (Dynamo's cache limit, a guard that failed): every
+            # warmed shape compiles again, on live requests, with compile still on.  Only the code caches:
+            # torch._dynamo.reset() would also drop the compile callbacks stepwatch counts compiles with.
+            torch._dynamo.reset_code_caches()
+            log.warning("compiled graphs dropped: every shape compiles again on its next request")
         return dict(self.knobs)
 
     def _apply_cache(self, knobs: dict[str, Any]) -> bool:

@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "run": ("stepwatch.triage.cli_run", "triage what is firing now"),
         "serve": ("stepwatch.triage.cli_serve", "receive Alertmanager webhooks and triage them"),
         "eval": ("stepwatch.triage.cli_eval", "score triage on recorded scenarios"),
+        "false-alarms": ("stepwatch.triage.cli_false_alarms",
+                         "write false-alarm controls: every alert presented on a quiet recording"),
     },
     "bench": {
         "overhead": ("stepwatch.exporter.cli_bench", "instrumentation overhead per step, bare vs instrumented"),

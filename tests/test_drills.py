@@ -15,9 +15,10 @@ import pytest
 
 from stepwatch.alerts.thresholds import load
 from stepwatch.fault_injection.criteria import load as load_criteria
-from stepwatch.fault_injection.drills import ALL_DRILLS, DRILLS, SEED_DRILLS, DrillResult, Runner, _Watch
-from stepwatch.fault_injection.stack import Notification, starts_at
+from stepwatch.fault_injection.drills import DrillResult, Runner, _Watch
+from stepwatch.fault_injection.registry import ALL_DRILLS, DRILLS, SEED_DRILLS
 from stepwatch.fault_injection.report import render_markdown
+from stepwatch.fault_injection.stack import Notification, starts_at
 from stepwatch.runbooks.parse import CAUSES, load_drills
 
 TH = load()

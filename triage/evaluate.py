@@ -106,15 +106,17 @@ def evaluate_all(dirs: list[Path], jobs: int) -> list[dict[str, Any]]:
 
 def table(results: list[dict[str, Any]], verbose_reports: bool = False) -> str:
     """One line per scenario: expected cause, what triage named, confidence, ok/XX, seconds."""
-    lines = [f"{'scenario':<30}{'expected':<28}{'triage named':<28}{'conf':<8}{'':<4}s"]
+    width = max([30, *(len(r["name"]) + 2 for r in results)])
+    lines = [f"{'scenario':<{width}}{'expected':<28}{'triage named':<28}{'conf':<8}{'':<4}s"]
     for r in results:
         exp = r["expected"] or "(none: control)"
-        got = r["got"] or {"no_cause": "(all clear)", "could_not_check": "(could not check)"}.get(
+        quiet = "(all clear)" if r.get("status") == "all_clear" else "(no cause found)"
+        got = r["got"] or {"no_cause": quiet, "could_not_check": "(could not check)"}.get(
             r.get("verdict", ""), f"({r['status']})")
         if r["control"] and r.get("all_causes"):
             got = ",".join(r["all_causes"])
         mark = "ok" if r["correct"] else "XX"
-        lines.append(f"{r['name']:<30}{exp:<28}{got:<28}{r.get('confidence', ''):<8}{mark:<4}{r['seconds']}"
+        lines.append(f"{r['name']:<{width}}{exp:<28}{got:<28}{r.get('confidence', ''):<8}{mark:<4}{r['seconds']}"
                      + (f"  <- {r['error']}" if r.get("error") else ""))
         if verbose_reports and r.get("report"):
             lines += ["    " + line for line in r["report"].splitlines()]

@@ -57,6 +57,12 @@ class Replay:
         scrape = float(self.scenario.get("scrape_interval_s") or 0)
         return f"{max(15, int(3 * scrape))}s" if scrape else "5m"
 
+    @property
+    def samples_file(self) -> Path:
+        """Its own samples, or those of the scenario it names in ``samples_from`` (a false alarm on a control)."""
+        other = self.scenario.get("samples_from")
+        return self.dir.parent / str(other) / SAMPLES_FILE if other else self.dir / SAMPLES_FILE
+
     def alerts(self) -> list[dict[str, Any]]:
         return list(self.scenario.get("alerts") or [])
 
@@ -75,7 +81,7 @@ class Replay:
         self.workdir.mkdir(parents=True, exist_ok=True)
         data = self.workdir / "data"
         om = self.workdir / "samples.om"
-        with gzip.open(self.dir / SAMPLES_FILE, "rb") as src, open(om, "wb") as dst:
+        with gzip.open(self.samples_file, "rb") as src, open(om, "wb") as dst:
             shutil.copyfileobj(src, dst)
         try:
             r = subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", "--quiet", str(om),

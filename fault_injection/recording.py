@@ -1,0 +1,106 @@
+"""Recording drills and controls as triage scenarios: ``stepwatch drill NAMES --record DIR --suffix N``.
+
+One command re-records the evaluation set on the current code.  Per stack, after calibration
+and with the baseline traffic still running, two controls that ask triage something:
+
+- ``control-<stack>-<suffix>``: steady traffic, nothing touched;
+- ``control-knobs-<stack>-<suffix>``: the cache threshold and VAE tiling set to other values and
+  restored, then steady traffic again (a knob set and restored is no change: triage must not
+  blame one);
+
+then every drill, recorded as ``<drill>-<suffix>`` at the moment its alert fired, with what triage
+said live.  Each scenario names the runbook revision it was recorded against (a digest of
+runbooks/*.md and alerts/thresholds.yaml), so a case recorded before a runbook check changed
+because of it can be told from one recorded after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stepwatch.alerts.thresholds import load as load_thresholds
+from stepwatch.alerts.thresholds import parse_duration
+from stepwatch.fault_injection.stack import LocalStack
+from stepwatch.runbooks.parse import runbooks_dir
+from stepwatch.triage.record import record_scenario
+
+WINDOW_S = 420.0  # history per scenario: the steady baseline before a fault and the fault itself
+BEFORE_S = 150.0  # of it, before a drill's injection
+CONTROL_S = 60.0  # steady traffic before a control is recorded
+StackKey = tuple[int, str]
+
+
+def revision() -> str:
+    """A digest of the runbooks and the thresholds source: what triage's checks were when a case was recorded."""
+    h = hashlib.sha256()
+    th = load_thresholds()
+    for p in [*sorted(runbooks_dir().glob("*.md")), Path(th.source)]:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def stack_name(key: StackKey) -> str:
+    ranks, backend = key
+    return f"{ranks}rank" + (f"-{backend}" if backend else "")
+
+
+@dataclass
+class Recording:
+    """Where and under which suffix a campaign records; ``recorded`` lists the scenario directories."""
+
+    out: Path
+    suffix: str = "1"
+    control_s: float = CONTROL_S
+    recorded: list[Path] = field(default_factory=list)
+
+    def _meta(self, stack: LocalStack, how: str) -> dict[str, Any]:
+        th = load_thresholds()
+        compile_label = "off" if stack.ranks > 1 else (stack.compile_backend or "the service config's")
+        return {"recorded": f"stepwatch drill --record (suffix {self.suffix}) on a LocalStack ({stack.ranks} "
+                            f"rank(s), compile {compile_label}, {stack.profile} profile); {how}",
+                "runbooks_revision": revision(), "profile": stack.profile,
+                "scrape_interval_s": parse_duration(th.profiles[stack.profile].scrape_interval)}
+
+    def save(self, stack: LocalStack, name: str, start: float, end: float, meta: dict[str, Any]) -> Path:
+        path = record_scenario(stack.prometheus_url, max(stack.started, start), end, self.out / name, meta)
+        self.recorded.append(path)
+        return path
+
+    def control(self, stack: LocalStack, name: str, description: str, how: str) -> Path:
+        """The last window of the stack as a control (expected cause: none), evaluated now."""
+        end = time.time()
+        return self.save(stack, name, end - WINDOW_S, end, {"expected_cause": None, "kind": "control",
+                                                            "description": description, **self._meta(stack, how)})
+
+    def controls(self, stack: LocalStack, key: StackKey, progress: Callable[[str], None]) -> None:
+        """The stack's two controls (the caller keeps the baseline traffic running)."""
+        where = stack_name(key)
+        time.sleep(self.control_s)
+        path = self.control(stack, f"control-{where}-{self.suffix}", "no fault: steady baseline traffic after "
+                            "calibration", f"{self.control_s:.0f}s of steady traffic after calibration")
+        progress(f"recorded {path}")
+        before = stack.info()["knobs"]
+        threshold = float(before.get("cache_threshold") or 0.5)
+        stack.knobs(cache_threshold=threshold + 0.3, vae_tiling=False)
+        time.sleep(2 * parse_duration(load_thresholds().profiles[stack.profile].scrape_interval))
+        stack.knobs(cache_threshold=threshold, vae_tiling=bool(before.get("vae_tiling", True)))
+        time.sleep(self.control_s)
+        path = self.control(stack, f"control-knobs-{where}-{self.suffix}",
+                            "no fault: the cache threshold (+0.3) and VAE tiling (off) set for two scrapes and "
+                            "restored, then steady traffic",
+                            f"knobs set and restored, then {self.control_s:.0f}s of steady traffic")
+        progress(f"recorded {path}")
+
+    def drill(self, stack: LocalStack, name: str, cause: str, alert: str, injected_at: float,
+              detected_at: float, end: float, live: dict[str, Any], description: str) -> Path:
+        """One drill's window, evaluated when its alert fired, with triage's live verdict."""
+        return self.save(stack, f"{name}-{self.suffix}", injected_at - BEFORE_S, end, {
+            "expected_cause": cause, "kind": "drill", "description": description, "drill": name,
+            "expected_alert": alert, "injected_at": round(injected_at, 3), "detected_at": detected_at,
+            "time_to_detect_s": round(detected_at - injected_at, 1), "live": live,
+            **self._meta(stack, f"drill {name}, evaluated when {alert} fired (fault in place)")})

@@ -1,0 +1,208 @@
+"""Rival faults: a second (and third) true cause for the alerts the seed drills fire.
+
+An alert whose runbook can name several causes proves nothing about triage while every
+recorded fault behind it has the same cause: a fixed alert -> cause table would score as
+well.  Each drill here fires an alert the other drills also fire, through another real
+mechanism, so only the runbook's checks can tell the cases apart (runbooks/drills.md,
+"Rival causes"):
+
+- step time up: the cache turned off (`cache-off`), torch.compile turned off
+  (`compile-off`, on the inductor stack, where compile is what makes steps fast);
+- cache hit rate off its baseline: the threshold raised (`cache-threshold-raise`), the
+  cache kind switched with the threshold unchanged (`cache-kind`);
+- serving recompiles: warmed shapes compiling again after the compiled-graph cache was
+  dropped (`compile-cache-dropped`);
+- errors: the worker process killed (`worker-killed`);
+- a stalled worker with one rank: the whole worker frozen (`worker-freeze`);
+- the quality baseline stale: the deployment changed under the prober (`fingerprint-change`).
+
+Knob faults come out through the knob's previous value; process faults through the
+service's own recovery (a restart) or SIGCONT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from stepwatch.fault_injection import queries
+from stepwatch.fault_injection.drills import (
+    RECOVER_DEADLINE_S,
+    Drill,
+    DrillResult,
+    _http_json,
+    _mean_step,
+    _rate_window,
+)
+from stepwatch.fault_injection.stack import LocalStack
+
+
+class KnobFault(Drill):
+    """A fault that is one knob change (the drill block's ``inject.knobs``), restored to the previous value."""
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details["serving_knobs"] = stack.info()["knobs"]
+        r.details["step_seconds_before"] = _mean_step(stack, self.th)
+        stack.knobs(**self.inject_knobs())
+        r.notes.append(f"knobs {self.inject_knobs()}")
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        knobs = self.restore_knobs(r.details.get("serving_knobs", {}))
+        if knobs:
+            stack.knobs(**knobs)
+
+    def step_ratio(self, stack: LocalStack, r: DrillResult) -> float | None:
+        """Mean step time now over before the fault (the drill's own view of the slowdown)."""
+        before, now = r.details.get("step_seconds_before"), _mean_step(stack, self.th)
+        r.details["step_seconds_during"] = now
+        return now / before if before and now else None
+
+
+class CacheOff(KnobFault):
+    name = "cache-off"
+    doc_id = "cache_off"
+    companions = ("cache_hit_rate_shift",)
+    silent = ("quality_drop",)  # no cache, no reuse: images only get closer to the baseline
+    description = ("The cross-step cache turned off on an instance whose baselines were measured with it: "
+                   "every step computes in full, so per-step time rises; quality does not suffer.")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        ratio = self.step_ratio(stack, r)
+        r.details["step_time_ratio"] = ratio
+        r.checks["steps_slower"] = ratio is not None and ratio > 1.0
+
+
+class CompileOff(KnobFault):
+    name = "compile-off"
+    doc_id = "compile_off"
+    companions = ("baseline_stale", "queue_wait", "probe_failing")  # compile mode is in the fingerprint
+    needs_backend = "inductor"
+    description = ("torch.compile turned off at run time on a service compiled with inductor: the same FLOPs "
+                   "run eager, so per-step time rises; the fingerprint changes too (compile mode is part of it), "
+                   "which must not be mistaken for the cause.")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        ratio = self.step_ratio(stack, r)
+        r.details["step_time_ratio"] = ratio
+        r.checks["steps_slower"] = ratio is not None and ratio > 1.0
+
+
+class FingerprintChange(KnobFault):
+    name = "fingerprint-change"
+    doc_id = "fingerprint_change"
+    companions = ("step_time_regression", "queue_wait", "probe_failing")
+    silent = ("quality_drop",)  # a stale baseline reports no PSNR: it cannot read as a quality drop
+    description = ("The deployment changes under the quality prober (compile mode switched, as a rollout with "
+                   "another torch.compile setting would): the baseline's fingerprint no longer matches, so the "
+                   "prober stops comparing and says the baseline is stale; the images themselves are fine.")
+
+
+class CacheThresholdRaise(KnobFault):
+    name = "cache-threshold-raise"
+    doc_id = "cache_threshold_raise"
+    companions: tuple[str, ...] = ("quality_drop",)
+    description = ("The cross-step cache threshold raised moderately: the cache reuses more often than its "
+                   "baseline on every shape. The hit-rate alert must see it before the quality gate does.")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        w = _rate_window(self.th, stack)
+        r.details["hit_ratio_by_shape"] = {s.label("shape"): round(s.value, 3)
+                                           for s in stack.prom.query(queries.hit_ratio_by_shape(w))}
+
+
+class CacheKind(CacheThresholdRaise):
+    name = "cache-kind"
+    doc_id = "cache_kind"
+    companions = ("quality_drop", "step_time_regression", "recompile")
+    description = ("The cache kind switched (FirstBlockCache -> MagCache) with the threshold left as it was: "
+                   "the new cache reads the same number on another scale and reuses at another rate. A "
+                   "configuration change to undo, not a threshold to lower.")
+
+
+class CompileCacheDropped(KnobFault):
+    name = "compile-cache-dropped"
+    doc_id = "compile_cache_dropped"
+    companions = ("queue_wait", "step_time_regression", "probe_failing")
+    description = ("The compiled graphs are dropped (what an evicted Dynamo cache or a failed guard does), "
+                   "compile still on: every warmed shape compiles again on live requests.")
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        """Nothing to put back: the graphs compiled again are the warmed ones."""
+
+
+class WorkerKilled(Drill):
+    name = "worker-killed"
+    doc_id = "worker_killed"
+    companions = ("probe_failing", "queue_wait", "target_down")
+    description = ("The worker process is killed (an OOM killer, a segfault in a kernel): requests in flight "
+                   "fail, the service restarts the worker, and the error ratio passes its threshold.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        kills = int(self.spec.inject["kill_worker"].get("times", 1))
+        pids = []
+        for k in range(kills):
+            pid = int(stack.info()["worker"]["pid"])
+            os.kill(pid, signal.SIGKILL)
+            pids.append(pid)
+            if k + 1 < kills:
+                self._wait_ready(stack, pid)
+        r.details["killed_pids"] = pids
+        r.notes.append(f"worker killed with SIGKILL {kills}x (pids {pids})")
+
+    @staticmethod
+    def _wait_ready(stack: LocalStack, old_pid: int) -> None:
+        deadline = time.time() + RECOVER_DEADLINE_S
+        while time.time() < deadline:
+            if stack.healthy() and int(stack.info()["worker"].get("pid") or old_pid) != old_pid:
+                return
+            time.sleep(1)
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        """The service restarts its worker itself; the check after is that it serves again."""
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        self._wait_ready(stack, r.details.get("killed_pids", [0])[-1])
+        status, _, _ = stack.generate(size="256x256")
+        r.checks["serves_after_restart"] = status == 200
+
+
+class WorkerFreeze(Drill):
+    name = "worker-freeze"
+    doc_id = "worker_freeze"
+    companions = ("probe_failing", "error_ratio", "queue_wait", "step_time_regression")
+    health_turns_red = True
+    baseline_accepts = frozenset({200, 429, 503, 504})  # held by the frozen worker: 504 at its restart, 503 after
+    description = ("The whole worker process frozen (SIGSTOP; a process stuck in a driver call does the same) on "
+                   "a one-rank service: nothing answers, the stall alert fires and /readyz turns 503; there is no "
+                   "collective to blame, so triage must name a hung worker.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        pid = int(stack.info()["worker"]["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        r.details["_frozen_pid"] = pid
+        r.notes.append(f"worker (pid {pid}) frozen with SIGSTOP")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        code, _ = _http_json(stack.service_url + "/readyz")
+        r.checks["readyz_503_while_stalled"] = code == 503
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        pid = r.details.pop("_frozen_pid", None)
+        try:
+            if pid is not None:
+                os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            r.notes.append("the frozen worker was gone at restore: the service had restarted it")
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        deadline = time.time() + RECOVER_DEADLINE_S
+        while time.time() < deadline and not stack.healthy():
+            time.sleep(2)
+        r.checks["recovered"] = stack.healthy()
+        status, _, _ = stack.generate(size="256x256")
+        r.checks["serves_after_recovery"] = status == 200
+
+
+RIVALS: tuple[type[Drill], ...] = (CacheOff, CompileOff, FingerprintChange, CacheThresholdRaise, CacheKind,
+                                   CompileCacheDropped, WorkerKilled, WorkerFreeze)
