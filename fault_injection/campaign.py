@@ -1,9 +1,8 @@
 """A drill campaign: the chosen drills, one local stack per kind of stack, calibrated baselines, the report.
 
 ``stepwatch drill`` (cli_drill) brings stacks up this way, and so does its ``--record`` (the triage
-scenarios): drills that need two ranks run on a two-rank stack with compile off, the others on one, and a
-drill that needs a compile backend (compile off only slows inductor) on a stack with it; each stack first
-calibrates per-shape baselines from steady traffic, as a deployment's benchmark run would.
+scenarios): drills that need two ranks run on a two-rank stack with compile off, the others on one; each
+stack first calibrates per-shape baselines from steady traffic, as a deployment's benchmark run would.
 """
 
 from __future__ import annotations
@@ -45,14 +44,12 @@ def expand(names: list[str]) -> list[str]:
 def by_stack(names: list[str], compile_backend: str | None = None) -> dict[StackKey, list[str]]:
     """The drills grouped by the stack they need (rank count, compile backend), in the order given.
 
-    A drill that needs a backend (compile off only slows a service that inductor made fast) gets a stack
-    of its own when the campaign runs another; two-rank stacks run compile off whatever the backend.
+    Two-rank stacks run compile off whatever the backend (each rank would compile).
     """
     out: dict[StackKey, list[str]] = {}
     for n in names:
-        d = DRILLS[n]
-        backend = "" if d.needs_ranks > 1 else (d.needs_backend or compile_backend or "")
-        out.setdefault((d.needs_ranks, backend), []).append(n)
+        ranks = DRILLS[n].needs_ranks
+        out.setdefault((ranks, "" if ranks > 1 else compile_backend or ""), []).append(n)
     return out
 
 
@@ -98,6 +95,7 @@ class Campaign:
     attach: StackUrls | None = None
     record: Recording | None = None
     snapshots: bool = True
+    variant: int = 0  # which values of each fault (runbooks/drills.md variants): recordings vary them
     results: list[DrillResult] = field(default_factory=list)
     stacks: list[dict[str, Any]] = field(default_factory=list)
 
@@ -110,7 +108,7 @@ class Campaign:
 
     def _run_group(self, key: StackKey, group: list[str]) -> None:
         ranks, backend = key
-        where = f"stack-{ranks}rank" + (f"-{backend}" if backend and backend != self.compile_backend else "")
+        where = f"stack-{ranks}rank"
         stack = make_stack(self.out / where, ranks, compile_backend=backend or None, attach=self.attach,
                            progress=self.progress)
         self.progress(f"bringing up the local stack ({ranks} rank{'s' if ranks > 1 else ''}"
@@ -130,7 +128,7 @@ class Campaign:
                 if self.record is not None:
                     self.record.controls(stack, key, self.progress)
             for n in group:
-                self.results.append(runner.run(DRILLS[n](self.th)))
+                self.results.append(runner.run(DRILLS[n](self.th, variant=self.variant)))
             self.stacks.append({"ranks": ranks, "backend": backend or None, "service": stack.service_url,
                                 "prometheus": stack.prometheus_url, "alertmanager": stack.alertmanager_url,
                                 "workdir": str(stack.workdir)})

@@ -11,7 +11,7 @@ any drill fails.
 Drills: cache-threshold, off-menu-resolution, vae-tiling-oom (the seeds'
 three: ``seeds``), queue-overload, straggler, straggler-neighbour and worker-stall
 (two ranks), the rival faults (``rivals``: another true cause behind an alert the
-others fire: cache-off, compile-off, fingerprint-change, cache-threshold-raise,
+others fire: cache-off, straggler-step-time, fingerprint-change, cache-threshold-raise,
 cache-kind, compile-cache-dropped, worker-killed, worker-freeze), or all.
 
 ``--record DIR`` re-records the triage evaluation set on the code as it is: run
@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="record the triage evaluation set under DIR: per stack two controls (steady traffic; knobs "
                         "set and restored), then each drill when its alert fires, as <name>-<suffix>")
     p.add_argument("--suffix", default="1", help="with --record: the recording run's suffix (default: %(default)s)")
+    p.add_argument("--variant", type=int, default=0,
+                   help="run each fault with its k-th other values (the drill block's variants; default 0: as "
+                        "written): recordings vary the values instead of reusing one")
     a = p.add_argument_group("attach to a running stack instead of starting one")
     a.add_argument("--service", help="practice service URL (its admin endpoint must be on)")
     a.add_argument("--prometheus", help="Prometheus URL (with stepwatch's drill rules loaded)")
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     campaign = Campaign(load_thresholds(), out, progress, triage=None if args.no_triage else triage_for_drill,
                         compile_backend=args.compile_backend, attach=attach,
                         record=Recording(Path(args.record), args.suffix) if args.record else None,
-                        snapshots=not args.no_snapshots)
+                        snapshots=not args.no_snapshots, variant=args.variant)
     with exit_on_sigterm():  # CI's SIGTERM still restores the fault and stops the stack (the finally blocks)
         report_path = campaign.run(names)
     print(summary_table(campaign.results, report_path))

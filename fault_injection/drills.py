@@ -96,16 +96,16 @@ class Drill:
     companions: tuple[str, ...] = ()  # thresholds keys of alerts that may fire with it
     silent: tuple[str, ...] = ()  # thresholds keys that must NOT fire
     needs_ranks = 1
-    needs_backend: str | None = None  # a torch.compile backend the fault needs (compile off only slows inductor)
     health_turns_red = False  # the fault itself makes /readyz (or /healthz) fail: checked, not a failure
     # Answers the baseline traffic may get while the fault is in (runbooks/drills.md: every request that is not
     # the fault's own answers 200); a drill whose fault is the whole service widens it and says why.
     baseline_accepts: frozenset[int] = frozenset({200})
     description = ""
 
-    def __init__(self, th: Thresholds, spec: DrillSpec | None = None, criteria: Criteria | None = None) -> None:
+    def __init__(self, th: Thresholds, spec: DrillSpec | None = None, criteria: Criteria | None = None,
+                 variant: int = 0) -> None:
         self.th = th
-        self.spec = spec or next(d for d in load_drills() if d.id == self.doc_id)
+        self.spec = (spec or next(d for d in load_drills() if d.id == self.doc_id)).variant(variant)
         self.criteria = criteria or load_criteria()
         known = {a.name for a in th.alerts.values()}
         for name in self.spec.alerts:
@@ -528,7 +528,8 @@ class Runner:
                 "firing": (r.triage or {}).get("firing", [])}
         try:
             path = record.drill(self.stack, drill.name, drill.cause, drill.expected, r.injected_at,
-                                r.injected_at + r.time_to_detect_s, r.ended_at, live, drill.description)
+                                r.injected_at + r.time_to_detect_s, r.ended_at, live, drill.description,
+                                {"inject": drill.spec.inject, "traffic": drill.spec.traffic})
             r.notes.append(f"recorded as a triage scenario: {path}")
         except Exception as e:
             r.notes.append(f"recording the scenario failed: {type(e).__name__}: {e}")

@@ -97,10 +97,11 @@ class Recording:
         progress(f"recorded {path}")
 
     def drill(self, stack: LocalStack, name: str, cause: str, alert: str, injected_at: float,
-              detected_at: float, end: float, live: dict[str, Any], description: str) -> Path:
-        """One drill's window, evaluated when its alert fired, with triage's live verdict."""
+              detected_at: float, end: float, live: dict[str, Any], description: str,
+              fault: dict[str, Any]) -> Path:
+        """One drill's window, evaluated when its alert fired, with triage's live verdict and the fault's values."""
         return self.save(stack, f"{name}-{self.suffix}", injected_at - BEFORE_S, end, {
             "expected_cause": cause, "kind": "drill", "description": description, "drill": name,
             "expected_alert": alert, "injected_at": round(injected_at, 3), "detected_at": detected_at,
-            "time_to_detect_s": round(detected_at - injected_at, 1), "live": live,
+            "time_to_detect_s": round(detected_at - injected_at, 1), "live": live, "fault": fault,
             **self._meta(stack, f"drill {name}, evaluated when {alert} fired (fault in place)")})

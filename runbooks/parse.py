@@ -32,7 +32,7 @@ import math
 import operator
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -437,7 +437,7 @@ def follow(runbook: Runbook, outcome_of: Callable[[Check], Outcome]) -> tuple[st
 
 # ----- drills ---------------------------------------------------------------------------------
 
-DRILL_KEYS = {"id", "alerts", "cause", "within", "inject", "traffic", "restore"}
+DRILL_KEYS = {"id", "alerts", "cause", "within", "inject", "traffic", "restore", "variants"}
 
 
 @dataclass(frozen=True)
@@ -450,6 +450,17 @@ class Drill:
     inject: dict[str, Any]
     traffic: dict[str, Any]
     restore: dict[str, Any]
+    # Other values of the same fault, for recordings that must not all reuse one (a variant's ``inject`` and
+    # ``traffic`` keys replace the drill's): variant k of n is the k-th, cycling.
+    variants: tuple[dict[str, Any], ...] = ()
+
+    def variant(self, k: int) -> Drill:
+        """This drill with variant ``k`` applied (``k`` 0 and no variants: the drill as written)."""
+        if not self.variants or k == 0:
+            return self
+        v = self.variants[(k - 1) % len(self.variants)]
+        return replace(self, inject={**self.inject, **(v.get("inject") or {})},
+                       traffic={**self.traffic, **(v.get("traffic") or {})})
 
 
 _DRILL_FENCE = re.compile(r"^```drill[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
@@ -474,7 +485,11 @@ def load_drills(file: str | Path | None = None) -> list[Drill]:
             raise RunbookError(f"{where}: a drill block has id, alerts, cause, within (and inject, traffic, restore)")
         if data["cause"] not in CAUSES:
             raise RunbookError(f"{where}: cause {data['cause']!r} is not in the cause vocabulary")
+        variants = data.get("variants") or []
+        if not isinstance(variants, list) or not all(isinstance(v, dict) and set(v) <= {"inject", "traffic"}
+                                                     for v in variants):
+            raise RunbookError(f"{where}: variants is a list of {{inject: ..., traffic: ...}}")
         out.append(Drill(str(data["id"]), t.group(1).strip(), tuple(data["alerts"]), str(data["cause"]),
                          str(data["within"]), dict(data.get("inject") or {}), dict(data.get("traffic") or {}),
-                         dict(data.get("restore") or {})))
+                         dict(data.get("restore") or {}), tuple(variants)))
     return out

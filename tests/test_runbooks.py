@@ -242,8 +242,9 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
     assert [d.id for d in drills] == ["cache_past_gate", "off_menu_resolutions", "vae_tiling_off", "straggler_rank",
                                       "straggler_neighbour", "worker_stall", "queue_overload",
                                       # rival causes behind the same alerts
-                                      "cache_off", "compile_off", "fingerprint_change", "cache_threshold_raise",
-                                      "cache_kind", "compile_cache_dropped", "worker_killed", "worker_freeze"]
+                                      "cache_off", "straggler_step_time", "fingerprint_change", "cache_threshold_raise",
+                                      "cache_kind", "compile_cache_dropped", "worker_killed", "worker_freeze",
+                                      "shape_too_large"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:
