@@ -587,3 +587,66 @@ def test_a_symptom_query_that_fails_does_not_stop_the_runbook() -> None:
     assert report.causes == ["straggler_rank"]
     assert report.incidents[0].primary.symptom is not None
     assert report.incidents[0].primary.symptom.outcome == "error"
+
+
+# ----- rival causes behind one alert: the checks, not the alert's name, decide ------------------------
+
+STEP = ("step_time_regression", {"instance": "127.0.0.1:8000", "shape": "512x512_8s"})
+
+
+@pytest.mark.parametrize(("rules", "cause"), [
+    ([(r"ratio_to_fastest_rate1m", 0.4)], "straggler_rank"),
+    ([(r'compile=~"\(\?i\)false"', 1.0), (r"stepwatch_quality_baseline_stale", 1.0)], "compile_disabled"),
+    ([(r'cache="none"', 1.0), (r"stepwatch_quality_baseline_stale", 0.0)], "cache_disabled"),
+    ([(r"stepwatch_quality_baseline_stale", 1.0)], "fingerprint_changed"),
+])
+def test_step_time_rivals(rules: list[tuple[str, float | None]], cause: str) -> None:
+    """Compile off also makes the baseline stale (the compile mode is in the fingerprint): compile is asked first."""
+    key, labels = STEP
+    d = triage([_alert(key, **labels)], StubProm(rules), thresholds=TH).incidents[0].primary
+    assert d.cause == cause, d.path
+
+
+@pytest.mark.parametrize(("rules", "cause"), [
+    ([(r"/ on \(job, instance, shape\)", 1.6), (r"stepwatch_baseline_cache_hit_ratio", 0.37),
+      (r'knob="cache_threshold"', 1.0), (r'knob="cache"', 0.0)], "cache_threshold_too_high"),
+    ([(r"/ on \(job, instance, shape\)", 1.6), (r"stepwatch_baseline_cache_hit_ratio", 0.37),
+      (r'knob="cache_threshold"', 0.0), (r'knob="cache"', 1.0)], "config_changed"),
+    ([(r"/ on \(job, instance, shape\)", 1.6), (r"stepwatch_baseline_cache_hit_ratio", 0.37),
+      (r"knob_override_active", 0.0)], "prompt_mix_shift"),
+    ([(r"/ on \(job, instance, shape\)", 0.0), (r"sum\(rate\(stepwatch_cache_decisions_total", 2.5),
+      (r'knob=~"cache\|cache_threshold"', 1.0)], "config_changed"),
+    ([(r"/ on \(job, instance, shape\)", 0.5), (r"sum\(rate\(stepwatch_cache_decisions_total", 0.0)],
+     "cache_disabled"),
+])
+def test_cache_hit_rate_rivals(rules: list[tuple[str, float | None]], cause: str) -> None:
+    """A threshold raised, the kind switched (either way), the prompts changed, the cache off: five stories."""
+    a = _alert("cache_hit_rate_shift", instance="127.0.0.1:8000", shape="512x512_8s")
+    d = triage([a], StubProm(rules), thresholds=TH).incidents[0].primary
+    assert d.cause == cause, d.path
+
+
+def test_a_knob_set_and_restored_is_no_change() -> None:
+    """The info metric had two label sets in the lookback; the knob's value is what it started with."""
+    a = _alert("cache_hit_rate_shift", instance="127.0.0.1:8000", shape="512x512_8s")
+    rules: list[tuple[str, float | None]] = [
+        (r"/ on \(job, instance, shape\)", 1.6), (r"stepwatch_baseline_cache_hit_ratio", 0.37),
+        (r"count_over_time\(stepwatch_service_config_info", 2.0), (r"knob_override_active", 0.0)]
+    assert triage([a], StubProm(rules), thresholds=TH).incidents[0].primary.cause == "prompt_mix_shift"
+
+
+def test_a_warmed_resolution_recompiling_is_an_eviction() -> None:
+    """Warm-up ran 512x512_2s; traffic runs 512x512_8s: the same compiled graph, so it was warmed."""
+    a = _alert("recompile", instance="127.0.0.1:8000", shape="512x512_8s", phase="serving")
+    prom = StubProm([(r'shape=~"512x512\(_\.\*\)\?", phase="warmup"', 1.0), (r"knob_override_active", 0.0)])
+    d = triage([a], prom, thresholds=TH).incidents[0].primary
+    assert d.cause == "compile_cache_evicted" and d.path == ["unlisted_shape", "warmed_up", "knob_changed"]
+    fresh = StubProm([(r'phase="warmup"', 0.0)])
+    assert triage([a], fresh, thresholds=TH).incidents[0].primary.cause == "recompile_unwarmed_shape"
+
+
+@pytest.mark.parametrize(("tiling_off", "cause"), [(1.0, "vae_tiling_off"), (None, "shape_too_large")])
+def test_oom_rivals(tiling_off: float | None, cause: str) -> None:
+    oom = _alert("oom", instance="127.0.0.1:8000", shape="2048x2048_1s", stage="vae_decode")
+    prom = StubProm([(r'stepwatch_oom_total.*stage="vae_decode"', 1.0), (r"vae_tiling=~", tiling_off)])
+    assert triage([oom], prom, thresholds=TH).incidents[0].primary.cause == cause
