@@ -1,12 +1,14 @@
 """Recording drills and controls as triage scenarios: ``stepwatch drill NAMES --record DIR --suffix N``.
 
 One command re-records the evaluation set on the current code.  Per stack, after calibration
-and with the baseline traffic still running, two controls that ask triage something:
+and with the baseline traffic still running, three controls that ask triage something:
 
 - ``control-<stack>-<suffix>``: steady traffic, nothing touched;
 - ``control-knobs-<stack>-<suffix>``: the cache threshold and VAE tiling set to other values and
   restored, then steady traffic again (a knob set and restored is no change: triage must not
   blame one);
+- ``control-restart-<stack>-<suffix>``: the service restarted under traffic, as a rollout does
+  (counters from zero, a warm-up, the baselines published again);
 
 then every drill, recorded as ``<drill>-<suffix>`` at the moment its alert fired, with what triage
 said live.  Each scenario names the runbook revision it was recorded against (a digest of
@@ -25,6 +27,7 @@ from typing import Any
 
 from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.alerts.thresholds import parse_duration
+from stepwatch.fault_injection.drills import calibrate_baselines
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.runbooks.parse import runbooks_dir
 from stepwatch.triage.record import record_scenario
@@ -78,7 +81,7 @@ class Recording:
                                                             "description": description, **self._meta(stack, how)})
 
     def controls(self, stack: LocalStack, key: StackKey, progress: Callable[[str], None]) -> None:
-        """The stack's two controls (the caller keeps the baseline traffic running)."""
+        """The stack's three controls (the caller keeps the baseline traffic running)."""
         where = stack_name(key)
         time.sleep(self.control_s)
         path = self.control(stack, f"control-{where}-{self.suffix}", "no fault: steady baseline traffic after "
@@ -94,6 +97,20 @@ class Recording:
                             "no fault: the cache threshold (+0.3) and VAE tiling (off) set for two scrapes and "
                             "restored, then steady traffic",
                             f"knobs set and restored, then {self.control_s:.0f}s of steady traffic")
+        progress(f"recorded {path}")
+        self._restart_control(stack, where, progress)
+
+    def _restart_control(self, stack: LocalStack, where: str, progress: Callable[[str], None]) -> None:
+        """A rollout's restart under traffic; the per-shape baselines are published again afterwards."""
+        progress("restarting the practice service (a control: a restart is no fault)")
+        stack.restart_service()
+        time.sleep(self.control_s / 2)
+        calibrate_baselines(stack, progress)
+        time.sleep(self.control_s / 2)
+        path = self.control(stack, f"control-restart-{where}-{self.suffix}",
+                            "no fault: the service restarted under traffic (a rollout), warmed up, baselines "
+                            "published again, then steady traffic",
+                            f"service restarted, then {self.control_s:.0f}s of steady traffic")
         progress(f"recorded {path}")
 
     def drill(self, stack: LocalStack, name: str, cause: str, alert: str, injected_at: float,

@@ -399,8 +399,20 @@ class LocalStack:
             cfg["ranks"] = self.ranks
         return cfg
 
-    def _start_service(self) -> tuple[Child, dict[str, Any]]:
-        port = free_port()
+    def restart_service(self, timeout: float = 600.0) -> None:
+        """Stop the practice service and start it again on the same port, as a rollout restarts a pod.
+
+        Its counters start again from zero and its runtime knobs (baselines included) are gone, as on
+        any restart: the caller publishes baselines again.
+        """
+        old = next(c for c in self.children if c.name == "service")
+        old.stop()
+        self.children.remove(old)
+        svc, _ = self._start_service(port=int(self.service_url.rsplit(":", 1)[1]))
+        self._wait(lambda: self._ready(), "service (restarted)", time.time() + timeout, child=svc)
+
+    def _start_service(self, port: int | None = None) -> tuple[Child, dict[str, Any]]:
+        port = port or free_port()
         self.service_url = f"http://127.0.0.1:{port}"
         cfg = self._service_config()
         (self.workdir / "service.yaml").write_text(yaml.safe_dump(cfg))
