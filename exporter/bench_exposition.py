@@ -95,6 +95,10 @@ def _service_registry() -> CollectorRegistry:
         service.m.service_request_duration_seconds.labels(pool=pool.name).observe(2.0)
         service.m.queue_wait_seconds.labels(pool=pool.name).observe(0.1)
     service.m.service_ready.set(1)
+    # The config info and the knob-override gauges, as a running service publishes them once its worker is ready.
+    service.knobs = {"cache": "first_block_cache", "cache_threshold": 0.7, "vae_tiling": True, "compile": True}
+    service.started_knobs = dict(service.knobs)
+    service.publish_config()
     return service.registry
 
 

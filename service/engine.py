@@ -159,7 +159,7 @@ class Service:
             self.predictor.ledger = LedgerParams(lp["p_tok"], lp["layers"], lp["hidden"], (pf, ph, pw),
                                                  lp["cross_attention"], lp["vae_scale"], lp["text_tokens"])
         self._prime_predictor(msg)
-        self._publish_config()
+        self.publish_config()
         self._quick_deaths = 0
         self.m.worker_up.set(1)
         self.m.service_ready.set(1)
@@ -200,7 +200,7 @@ class Service:
         the lossy knobs, since quality baselines must stay comparable across them)."""
         return fingerprint_id({"fingerprint": self.fingerprint, "knobs": self.knobs})
 
-    def _publish_config(self) -> None:
+    def publish_config(self) -> None:
         info = {"instance_id": self.instance_id, "fingerprint_id": fingerprint_id(self.fingerprint),
                 "config_id": self.config_id()}
         for k, v in sorted(self.knobs.items()):
@@ -414,7 +414,7 @@ class Service:
         reply = self._apply_knobs(new)
         self.knobs = reply["knobs"]
         self.fingerprint = reply["fingerprint"]
-        self._publish_config()
+        self.publish_config()
         log.warning("admin knobs changed: %s -> %s (fingerprint %s, config %s)", before, self.knobs,
                     fingerprint_id(self.fingerprint), self.config_id())
         return {"knobs": self.knobs, "fingerprint": self.fingerprint,
