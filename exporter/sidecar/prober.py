@@ -250,7 +250,9 @@ class Prober:
 
     def _run(self, res: ProbeResult) -> None:
         try:
-            info = self.client.info(min(self.info_timeout_s, self.request_timeout()))
+            # A metadata read, not a generation: it keeps its own timeout, so a probe timeout set tight
+            # for a fast (few-step) model cannot fail the set on a loaded host before any probe ran.
+            info = self.client.info(self.info_timeout_s)
         except ProbeError as e:
             self._fail(res, e.reason)
             res.error = f"target {self.target}: {e.detail}"
