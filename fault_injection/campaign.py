@@ -61,10 +61,10 @@ def make_stack(workdir: Path, ranks: int, *, compile_backend: str | None = None,
 
 
 def calibrate(stack: LocalStack, th: Thresholds, progress: Callable[[str], None],
-              criteria: Criteria | None = None) -> None:
+              criteria: Criteria | None = None) -> dict[str, Any]:
     """Per-shape baselines published to the service after the calibration time of the caller's steady traffic."""
     time.sleep((criteria or load_criteria()).calibration_s)
-    calibrate_baselines(stack, progress, th)
+    return calibrate_baselines(stack, progress, th)
 
 
 def not_started(names: list[str], th: Thresholds, error: Exception) -> list[DrillResult]:
@@ -124,9 +124,9 @@ class Campaign:
             runner.record = self.record
             self.progress("baseline traffic to calibrate per-shape baselines (step time, cache hit rate)")
             with stack.traffic(concurrency=2):
-                calibrate(stack, self.th, self.progress)
+                runner.baselines = calibrate(stack, self.th, self.progress)
                 if self.record is not None:
-                    self.record.controls(stack, key, self.progress)
+                    runner.baselines = self.record.controls(stack, key, self.progress) or runner.baselines
             for n in group:
                 self.results.append(runner.run(DRILLS[n](self.th, variant=self.variant)))
             self.stacks.append({"ranks": ranks, "backend": backend or None, "service": stack.service_url,

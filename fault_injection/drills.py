@@ -521,6 +521,9 @@ class Runner:
         self.triage = triage
         self.critical = {a.name for a in self.th.alerts.values() if a.severity == "critical"}
         self.record: Recording | None = None  # record each drill as a triage scenario (stepwatch drill --record)
+        # The calibrated per-shape baselines, published again before each drill: a drill that restarted the
+        # worker (killed, frozen past the restart) took them with it, and the next drill's alerts need them.
+        self.baselines: dict[str, Any] = {}
 
     def _record(self, drill: Drill, r: DrillResult, record: Recording) -> None:
         if r.time_to_detect_s is None:
@@ -568,6 +571,8 @@ class Runner:
             r.failures.append("service unhealthy before the drill: aborted")
             return r
         w = _Watch()
+        if self.baselines:
+            _attempt(r, "publishing the baselines", lambda: self.stack.knobs(baselines={"shapes": self.baselines}))
         with self.stack.traffic(drill.baseline_traffic(), concurrency=2) as traffic:
             if not self._steady(drill, r, w, self.criteria.steady_s if steady_s is None else steady_s):
                 return r

@@ -80,8 +80,9 @@ class Recording:
         return self.save(stack, name, end - WINDOW_S, end, {"expected_cause": None, "kind": "control",
                                                             "description": description, **self._meta(stack, how)})
 
-    def controls(self, stack: LocalStack, key: StackKey, progress: Callable[[str], None]) -> None:
-        """The stack's three controls (the caller keeps the baseline traffic running)."""
+    def controls(self, stack: LocalStack, key: StackKey, progress: Callable[[str], None]) -> dict[str, Any]:
+        """The stack's three controls (the caller keeps the baseline traffic running); the baselines published
+        after the restart."""
         where = stack_name(key)
         time.sleep(self.control_s)
         path = self.control(stack, f"control-{where}-{self.suffix}", "no fault: steady baseline traffic after "
@@ -98,20 +99,21 @@ class Recording:
                             "restored, then steady traffic",
                             f"knobs set and restored, then {self.control_s:.0f}s of steady traffic")
         progress(f"recorded {path}")
-        self._restart_control(stack, where, progress)
+        return self._restart_control(stack, where, progress)
 
-    def _restart_control(self, stack: LocalStack, where: str, progress: Callable[[str], None]) -> None:
+    def _restart_control(self, stack: LocalStack, where: str, progress: Callable[[str], None]) -> dict[str, Any]:
         """A rollout's restart under traffic; the per-shape baselines are published again afterwards."""
         progress("restarting the practice service (a control: a restart is no fault)")
         stack.restart_service()
         time.sleep(self.control_s / 2)
-        calibrate_baselines(stack, progress)
+        baselines = calibrate_baselines(stack, progress)
         time.sleep(self.control_s / 2)
         path = self.control(stack, f"control-restart-{where}-{self.suffix}",
                             "no fault: the service restarted under traffic (a rollout), warmed up, baselines "
                             "published again, then steady traffic",
                             f"service restarted, then {self.control_s:.0f}s of steady traffic")
         progress(f"recorded {path}")
+        return baselines
 
     def drill(self, stack: LocalStack, name: str, cause: str, alert: str, injected_at: float,
               detected_at: float, end: float, live: dict[str, Any], description: str,
