@@ -33,6 +33,7 @@ from stepwatch.fault_injection.drills import (
     Drill,
     DrillResult,
     Straggler,
+    WorkerStall,
     _http_json,
     _mean_step,
     _rate_window,
@@ -200,18 +201,19 @@ class WorkerKilled(Drill):
         r.checks["serves_after_restart"] = status == 200
 
 
-class WorkerFreeze(Drill):
+class WorkerFreeze(WorkerStall):
+    """The stall drill on one rank: the whole worker frozen; recovery (SIGCONT or the restart) is the same."""
+
     name = "worker-freeze"
     doc_id = "worker_freeze"
-    companions = ("probe_failing", "error_ratio", "queue_wait", "step_time_regression")
-    health_turns_red = True
-    baseline_accepts = frozenset({200, 429, 503, 504})  # held by the frozen worker: 504 at its restart, 503 after
+    needs_ranks = 1
     description = ("The whole worker process frozen (SIGSTOP; a process stuck in a driver call does the same) on "
                    "a one-rank service: nothing answers, the stall alert fires and /readyz turns 503; there is no "
                    "collective to blame, so triage must name a hung worker.")
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         pid = int(stack.info()["worker"]["pid"])
+        r.details["worker_pid_before"] = pid
         os.kill(pid, signal.SIGSTOP)
         r.details["_frozen_pid"] = pid
         r.notes.append(f"worker (pid {pid}) frozen with SIGSTOP")
@@ -219,22 +221,6 @@ class WorkerFreeze(Drill):
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
         code, _ = _http_json(stack.service_url + "/readyz")
         r.checks["readyz_503_while_stalled"] = code == 503
-
-    def restore(self, stack: LocalStack, r: DrillResult) -> None:
-        pid = r.details.pop("_frozen_pid", None)
-        try:
-            if pid is not None:
-                os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            r.notes.append("the frozen worker was gone at restore: the service had restarted it")
-
-    def after(self, stack: LocalStack, r: DrillResult) -> None:
-        deadline = time.time() + RECOVER_DEADLINE_S
-        while time.time() < deadline and not stack.healthy():
-            time.sleep(2)
-        r.checks["recovered"] = stack.healthy()
-        status, _, _ = stack.generate(size="256x256")
-        r.checks["serves_after_recovery"] = status == 200
 
 
 RIVALS: tuple[type[Drill], ...] = (CacheOff, StragglerStepTime, FingerprintChange, CacheThresholdRaise, CacheKind,
