@@ -126,7 +126,7 @@ class Campaign:
             with stack.traffic(concurrency=2):
                 runner.baselines = calibrate(stack, self.th, self.progress)
                 if self.record is not None:
-                    runner.baselines = self.record.controls(stack, key, self.progress) or runner.baselines
+                    self.record.controls(stack, key, self.progress, runner.baselines)
             for n in group:
                 self.results.append(runner.run(DRILLS[n](self.th, variant=self.variant)))
             self.stacks.append({"ranks": ranks, "backend": backend or None, "service": stack.service_url,

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stepwatch import httpclient
 from stepwatch.alerts.thresholds import Thresholds, parse_duration
@@ -33,14 +33,12 @@ from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
+from stepwatch.fault_injection.recording import Recording
 from stepwatch.fault_injection.stack import LocalStack, Traffic
 from stepwatch.procs import die_with_parent_fn
 from stepwatch.promapi import PromError
 from stepwatch.runbooks.parse import Drill as DrillSpec
 from stepwatch.runbooks.parse import load_drills
-
-if TYPE_CHECKING:  # recording.py publishes baselines with this module's calibrate_baselines
-    from stepwatch.fault_injection.recording import Recording
 
 log = logging.getLogger("stepwatch.drills")
 

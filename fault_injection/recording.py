@@ -27,7 +27,6 @@ from typing import Any
 
 from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.alerts.thresholds import parse_duration
-from stepwatch.fault_injection.drills import calibrate_baselines
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.runbooks.parse import runbooks_dir
 from stepwatch.triage.record import record_scenario
@@ -80,9 +79,10 @@ class Recording:
         return self.save(stack, name, end - WINDOW_S, end, {"expected_cause": None, "kind": "control",
                                                             "description": description, **self._meta(stack, how)})
 
-    def controls(self, stack: LocalStack, key: StackKey, progress: Callable[[str], None]) -> dict[str, Any]:
-        """The stack's three controls (the caller keeps the baseline traffic running); the baselines published
-        after the restart."""
+    def controls(self, stack: LocalStack, key: StackKey, progress: Callable[[str], None],
+                 baselines: dict[str, Any]) -> None:
+        """The stack's three controls (the caller keeps the baseline traffic running); ``baselines``: the
+        calibrated ones, published again after the restart."""
         where = stack_name(key)
         time.sleep(self.control_s)
         path = self.control(stack, f"control-{where}-{self.suffix}", "no fault: steady baseline traffic after "
@@ -99,21 +99,23 @@ class Recording:
                             "restored, then steady traffic",
                             f"knobs set and restored, then {self.control_s:.0f}s of steady traffic")
         progress(f"recorded {path}")
-        return self._restart_control(stack, where, progress)
+        self._restart_control(stack, where, progress, baselines)
 
-    def _restart_control(self, stack: LocalStack, where: str, progress: Callable[[str], None]) -> dict[str, Any]:
-        """A rollout's restart under traffic; the per-shape baselines are published again afterwards."""
+    def _restart_control(self, stack: LocalStack, where: str, progress: Callable[[str], None],
+                         baselines: dict[str, Any]) -> None:
+        """A rollout's restart under traffic; the deployment's baselines are published again afterwards (a
+        step time is the deployment's, not the restart's: measured again here, the warm-up's slow first
+        requests would inflate them)."""
         progress("restarting the practice service (a control: a restart is no fault)")
         stack.restart_service()
-        time.sleep(self.control_s / 2)
-        baselines = calibrate_baselines(stack, progress)
-        time.sleep(self.control_s / 2)
+        if baselines:
+            stack.knobs(baselines={"shapes": baselines})
+        time.sleep(self.control_s)
         path = self.control(stack, f"control-restart-{where}-{self.suffix}",
                             "no fault: the service restarted under traffic (a rollout), warmed up, baselines "
                             "published again, then steady traffic",
                             f"service restarted, then {self.control_s:.0f}s of steady traffic")
         progress(f"recorded {path}")
-        return baselines
 
     def drill(self, stack: LocalStack, name: str, cause: str, alert: str, injected_at: float,
               detected_at: float, end: float, live: dict[str, Any], description: str,
