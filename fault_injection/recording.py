@@ -103,9 +103,8 @@ class Recording:
 
     def _restart_control(self, stack: LocalStack, where: str, progress: Callable[[str], None],
                          baselines: dict[str, Any]) -> None:
-        """A rollout's restart under traffic; the deployment's baselines are published again afterwards (a
-        step time is the deployment's, not the restart's: measured again here, the warm-up's slow first
-        requests would inflate them)."""
+        """A rollout's restart under traffic; the deployment's baselines are published again afterwards, as a
+        rollout keeps its baseline file (measured again at once, the warm-up's first requests would skew them)."""
         progress("restarting the practice service (a control: a restart is no fault)")
         stack.restart_service()
         if baselines:
