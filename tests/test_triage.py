@@ -554,7 +554,7 @@ def test_an_alert_whose_condition_never_held_gets_no_cause() -> None:
     assert len(symptom_queries) == 1 and len(prom.queries) == 2  # vector(1), the symptom: no runbook check ran
     q = symptom_queries[0]
     assert "instance_rank:stepwatch_rank_busy_seconds:ratio_to_fastest_rate1m > 1.1" in q
-    assert q.endswith("[25s:5s])")  # for: 10s + three 5 s evaluations (drill profile)
+    assert q.endswith("[25s:1s])")  # for: 10s + three 5 s evaluations (drill profile), by the second
     assert "false alarm" in (d.error or "") and "rules generate" in d.next_step()
     text = render.terminal(report)
     assert "NO CAUSE FOUND" in text and "LIKELY CAUSE" not in text

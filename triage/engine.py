@@ -168,14 +168,16 @@ SYMPTOM_QUERY_PREFIX = "count_over_time(("
 
 
 def symptom_query(th: Thresholds, spec: AlertSpec, profile: str) -> tuple[str, str]:
-    """(PromQL, lookback): the evaluations in which the alert's expression held, over ``for:`` + 3 evaluations.
+    """(PromQL, lookback): the seconds in which the alert's expression held, over ``for:`` + 3 evaluations.
 
     The expression is the one the rules were generated from (the AlertDef), for the alert's profile.
+    The subquery steps by the second: its points are aligned to multiples of the step, and a step of
+    one evaluation interval could end just before the scrape that made the alert fire.
     """
     every = int(parse_duration(th.profiles[profile].evaluation_interval))
     lookback = f"{int(spec.for_seconds(profile)) + 3 * every}s"
     expr = rulegen.tidy(defs.alert_def(spec).expr(th, spec, profile))
-    return f"{SYMPTOM_QUERY_PREFIX}{expr}\n)[{lookback}:{every}s])", lookback
+    return f"{SYMPTOM_QUERY_PREFIX}{expr}\n)[{lookback}:1s])", lookback
 
 
 # ----- one check, one alert -----------------------------------------------------------------------
