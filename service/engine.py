@@ -19,7 +19,9 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +78,45 @@ def _worker_died(message: str) -> api.ApiError:
 WORKER_FAILED = "the worker cannot start; see the service log"
 
 
+class KnobGate:
+    """Generations and knob calls take turns on the worker; a knob call waiting goes before the next generation.
+
+    A knob that re-warms (another cache kind, compile back on) runs for many seconds.  A generation sent
+    behind it would be timed as in flight all along, read as a stalled worker (a critical alert) and get
+    the worker restarted: found by the cache-off drill.  Generations wait in the queue instead, where
+    their wait is queue wait.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._knob_calls = 0
+        self._generating = False
+
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._knob_calls)
+            self._generating = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._generating = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def knobs(self) -> Iterator[None]:
+        with self._cond:
+            self._knob_calls += 1
+            self._cond.wait_for(lambda: not self._generating)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._knob_calls -= 1
+                self._cond.notify_all()
+
+
 class Service:
     def __init__(self, cfg: ServiceConfig, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
@@ -98,6 +139,7 @@ class Service:
         self.started = time.time()
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
+        self._gate = KnobGate()
         self._stopped = False
         self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True, name="stepwatch-dispatch")
         self._zero_metrics()
@@ -228,7 +270,8 @@ class Service:
             self._update_gauges()
             self.m.queue_wait_seconds.labels(pool=t.pool).observe(time.monotonic() - t.enqueued)
             try:
-                self._run_ticket(t)
+                with self._gate.generation():
+                    self._run_ticket(t)
             finally:
                 self.scheduler.done(t)
                 self._update_gauges()
@@ -411,7 +454,8 @@ class Service:
         if not self.ready:
             raise _server_error(503, "warming up; retry shortly", "not_ready")
         before = dict(self.knobs)
-        reply = self._apply_knobs(new)
+        with self._gate.knobs():  # after the generation in flight, before the next: never timed as one
+            reply = self._apply_knobs(new)
         self.knobs = reply["knobs"]
         self.fingerprint = reply["fingerprint"]
         self.publish_config()

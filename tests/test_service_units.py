@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
 
 from stepwatch.service import api
 from stepwatch.service.config import ConfigError, PoolConfig, load, parse
+from stepwatch.service.engine import KnobGate
 from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Scheduler
 
 
@@ -211,3 +214,36 @@ def test_ranks_sharing_cpus_split_the_threads() -> None:
     assert rank_threads([[0, 1], [2, 3]]) == [2, 2]
     assert rank_threads([[0], [0]]) == [1, 1]
     assert rank_threads([[0, 1, 2, 3]]) == [4]
+
+
+def test_a_knob_call_goes_before_the_next_generation_and_after_the_one_in_flight() -> None:
+    """A re-warming knob call must never be timed as a generation in flight (the cache-off drill's false stall)."""
+    gate, order = KnobGate(), []
+    in_flight, knob_waiting = threading.Event(), threading.Event()
+
+    def generation(name: str, hold: float) -> None:
+        with gate.generation():
+            order.append(f"{name} starts")
+            in_flight.set()
+            time.sleep(hold)
+            order.append(f"{name} ends")
+
+    def knob_call() -> None:
+        knob_waiting.set()
+        with gate.knobs():
+            order.append("knobs start")
+            time.sleep(0.2)  # a re-warm
+            order.append("knobs end")
+
+    first = threading.Thread(target=generation, args=("g1", 0.3))
+    first.start()
+    in_flight.wait(5)
+    knob = threading.Thread(target=knob_call)
+    knob.start()
+    knob_waiting.wait(5)
+    time.sleep(0.05)
+    second = threading.Thread(target=generation, args=("g2", 0.0))  # queued behind the knob call
+    second.start()
+    for t in (first, knob, second):
+        t.join(5)
+    assert order == ["g1 starts", "g1 ends", "knobs start", "knobs end", "g2 starts", "g2 ends"]
