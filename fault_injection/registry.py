@@ -11,5 +11,8 @@ from stepwatch.fault_injection.rivals import RIVALS
 
 DRILLS: dict[str, type[Drill]] = {d.name: d for d in (*SEED_FAULTS, *RIVALS)}
 SEED_DRILLS = ("cache-threshold", "off-menu-resolution", "vae-tiling-oom")
-ALL_DRILLS = tuple(DRILLS)
-RIVAL_DRILLS = tuple(d.name for d in RIVALS)
+# Run by name only: on 2 CPU cores the request computes ~90 s before it runs out of memory (four 2048^2
+# images), past the 60 s goal; its recording is still a triage case (a GPU fails it in seconds).
+BY_NAME_ONLY = ("shape-too-large",)
+ALL_DRILLS = tuple(n for n in DRILLS if n not in BY_NAME_ONLY)
+RIVAL_DRILLS = tuple(d.name for d in RIVALS if d.name not in BY_NAME_ONLY)
