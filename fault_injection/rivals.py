@@ -169,6 +169,7 @@ class WorkerKilled(Drill):
     name = "worker-killed"
     doc_id = "worker_killed"
     companions = ("probe_failing", "queue_wait", "target_down")
+    health_turns_red = True  # not ready while the new worker warms up: checked, not a failure
     baseline_accepts = frozenset({200, 503})  # in flight when it died, or sent while the new one warms up
     description = ("The worker process is killed (an OOM killer, a segfault in a kernel): requests in flight "
                    "fail, the service restarts the worker, and the error ratio passes its threshold.")
