@@ -192,11 +192,17 @@ def test_cpu_neighbour_dies_with_a_killed_drill_runner() -> None:
             os.kill(neighbour, signal.SIGKILL)
 
 
+# Rival faults run live in CI where they exercise machinery of their own (a knob that re-warms, the
+# compiled graphs dropped, a frozen one-rank worker); the rest are scored from their recordings (triage eval).
+LIVE_RIVALS = ("cache-off", "compile-cache-dropped", "worker-freeze")
+
+
 @pytest.mark.heavy
-def test_seed_drills_end_to_end(tmp_path: Path) -> None:
-    rc, summary, log = _run_drills(["seeds"], tmp_path)
+def test_seed_and_rival_drills_end_to_end(tmp_path: Path) -> None:
+    """The seeds' three and three rival faults on one stack (one start, one calibration)."""
+    rc, summary, log = _run_drills(["seeds", *LIVE_RIVALS], tmp_path)
     assert rc == 0, log
-    _check(summary, SEED_DRILLS, tmp_path)
+    _check(summary, (*SEED_DRILLS, *LIVE_RIVALS), tmp_path)
 
 
 @pytest.mark.heavy
