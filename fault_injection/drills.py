@@ -39,6 +39,7 @@ from stepwatch.procs import die_with_parent_fn
 from stepwatch.promapi import PromError
 from stepwatch.runbooks.parse import Drill as DrillSpec
 from stepwatch.runbooks.parse import load_drills
+from stepwatch.triage.engine import Alert
 
 log = logging.getLogger("stepwatch.drills")
 
@@ -533,9 +534,10 @@ class Runner:
         live = {"cause": r.triage_cause, "confidence": (r.triage or {}).get("confidence"),
                 "firing": (r.triage or {}).get("firing", [])}
         try:
+            firing = [Alert.parse(a).to_webhook() for a in r.details.get("_firing_at_detection", [])]
             path = record.drill(self.stack, drill.name, drill.cause, drill.expected, r.injected_at,
                                 r.injected_at + r.time_to_detect_s, r.ended_at, live, drill.description,
-                                {"inject": drill.spec.inject, "traffic": drill.spec.traffic})
+                                {"inject": drill.spec.inject, "traffic": drill.spec.traffic}, firing)
             r.notes.append(f"recorded as a triage scenario: {path}")
         except Exception as e:
             r.notes.append(f"recording the scenario failed: {type(e).__name__}: {e}")
@@ -682,6 +684,7 @@ class Runner:
         if hit and r.time_to_detect_s is None:
             r.time_to_detect_s = time.time() - r.injected_at
             r.expected_labels = dict(hit[0]["labels"].items())
+            r.details["_firing_at_detection"] = [a for a in alerts if a.get("state") == "firing"]
             self.progress(f"[{drill.name}] {drill.expected} firing after {r.time_to_detect_s:.1f}s")
         if r.time_to_detect_s is None:
             return False

@@ -118,9 +118,14 @@ class Recording:
 
     def drill(self, stack: LocalStack, name: str, cause: str, alert: str, injected_at: float,
               detected_at: float, end: float, live: dict[str, Any], description: str,
-              fault: dict[str, Any]) -> Path:
-        """One drill's window, evaluated when its alert fired, with triage's live verdict and the fault's values."""
+              fault: dict[str, Any], firing: list[dict[str, Any]]) -> Path:
+        """One drill's window, evaluated when its alert fired, with triage's live verdict and the fault's values.
+
+        ``firing``: what Prometheus' alerts API said was firing when the runner saw the alert (webhook format),
+        so the scenario's notification is what fired then (empty: read back from ``ALERTS`` at that time).
+        """
         return self.save(stack, f"{name}-{self.suffix}", injected_at - BEFORE_S, end, {
+            **({"alerts": firing} if firing else {}),
             "expected_cause": cause, "kind": "drill", "description": description, "drill": name,
             "expected_alert": alert, "injected_at": round(injected_at, 3), "detected_at": detected_at,
             "time_to_detect_s": round(detected_at - injected_at, 1), "live": live, "fault": fault,
