@@ -284,10 +284,13 @@ def _probe(reason: str = "timeout") -> Alert:
 
 
 def _probe_world(stall: float | None, *, answers: float | None = 1.0, ranks: float | None = None,
-                 restarts: float = 0.0, ready: float = 1.0, timeouts: float = 0.0) -> list[tuple[str, Any]]:
+                 restarts: float = 0.0, ready: float = 1.0, timeouts: float = 0.0,
+                 rewarm: float = 0.0) -> list[tuple[str, Any]]:
     """The host as the probe runbook and the stall runbook read it: ``stall`` is the worker's time on its
-    generation over the stall limit (None: a service without the gauges)."""
+    generation over the stall limit (None: a service without the gauges); ``rewarm`` its warm-up compiles
+    in the window."""
     return [
+        (r'phase="warmup"', rewarm),
         (r"max_over_time\(\(\s*stepwatch_worker_busy_seconds",
          None if stall is None else Sample({"instance": SVC, "pool": "small"}, stall)),
         (r"stepwatch_exporter_build_info", answers),
@@ -358,7 +361,7 @@ def test_probe_timeouts_with_a_healthy_worker_are_still_the_queue() -> None:
     report = triage([_probe()], StubProm(_probe_world(0.08, timeouts=4.0)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert d.cause == "queue_backlog" and d.explained_by is None
-    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "timeouts"]
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "rewarmed", "timeouts"]
     assert "explained by" not in render.terminal(report)
 
 
@@ -368,7 +371,7 @@ def test_probe_failures_with_nothing_else_wrong_end_as_before(stall: float | Non
     report = triage([_probe("bad_response")], StubProm(_probe_world(stall)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert d.cause is None and d.flow_end == "end" and d.explained_by is None
-    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "timeouts"]
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "rewarmed", "timeouts"]
     assert "escalate" in d.next_step() and "sidecar log" in d.next_step()
 
 
@@ -650,3 +653,27 @@ def test_oom_rivals(tiling_off: float | None, cause: str) -> None:
     oom = _alert("oom", instance="127.0.0.1:8000", shape="2048x2048_1s", stage="vae_decode")
     prom = StubProm([(r'stepwatch_oom_total.*stage="vae_decode"', 1.0), (r"vae_tiling=~", tiling_off)])
     assert triage([oom], prom, thresholds=TH).incidents[0].primary.cause == cause
+
+
+def test_probe_timeouts_behind_a_rewarm_are_the_knob_not_the_queue() -> None:
+    """A knob that re-warmed the worker (another cache kind) held the probes: config_changed, and it shares
+    the incident the cache alert opens for the same cause on the same host."""
+    probe = _probe("timeout")
+    report = triage([probe], StubProm(_probe_world(0.0, timeouts=2.0, rewarm=6.0)), thresholds=TH)  # type: ignore[arg-type]
+    d = report.incidents[0].primary
+    assert d.cause == "config_changed" and d.path[-1] == "rewarmed"
+    assert "warm" in d.next_step()
+
+
+def test_a_pool_alert_joins_the_one_host_with_its_cause() -> None:
+    """The error ratio (per pool, no instance) and the probe failing on the host whose worker crashed: one
+    incident; with the same cause on a second host it is not known which, and it stays apart."""
+    rules = [(r'code="507"', 0.0), *_probe_world(0.0, restarts=1.0)]
+    err, probe = _alert("error_ratio", pool="small"), _probe("connect")
+    report = triage([err, probe], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
+    assert [sorted(a.name for a in i.alerts) for i in report.incidents] == [
+        ["StepwatchQualityProbeFailing", "StepwatchRequestErrorRatio"]]
+    assert report.incidents[0].cause == "worker_crashed"
+    other = Alert(probe.name, {**probe.labels, "instance": "10.9.9.9:9465"}, probe.annotations, probe.starts_at)
+    report = triage([err, probe, other], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
+    assert len(report.incidents) == 3

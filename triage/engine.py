@@ -721,6 +721,7 @@ def group(diags: Sequence[Diagnosis], thresholds: Thresholds | None = None) -> l
         if home is not None:
             home.followers.extend(inc.diagnoses + inc.followers)
             del by_key[(cause, host)]
+    _merge_hostless(by_key)
     incidents = list(by_key.values())
     for d in unexplained:
         home = None
@@ -736,6 +737,22 @@ def group(diags: Sequence[Diagnosis], thresholds: Thresholds | None = None) -> l
         _follow_explaining(d, target, incidents)
     return sorted(incidents, key=lambda i: (i.cause is None and not i.could_not_check,
                                             SEVERITY_RANK.get(i.severity, 3), CONFIDENCE_RANK[i.confidence], i.id))
+
+
+def _merge_hostless(by_key: dict[tuple[str, str], Incident]) -> None:
+    """A pool-level alert (no instance) naming the cause one host's incident names joins that incident.
+
+    The error ratio is per pool; the worker that crashed is on one host.  With the same cause on two or
+    more hosts, which one the pool's alert belongs to is not known: it stays an incident of its own.
+    """
+    for (cause, host), inc in list(by_key.items()):
+        if host:
+            continue
+        homes = [other for (c2, h2), other in by_key.items() if c2 == cause and h2]
+        if len(homes) == 1:
+            homes[0].diagnoses.extend(inc.diagnoses)
+            homes[0].followers.extend(inc.followers)
+            del by_key[(cause, host)]
 
 
 def _explaining(d: Diagnosis, diags: Sequence[Diagnosis]) -> Diagnosis | None:
