@@ -73,48 +73,35 @@ class Recording:
         self.recorded.append(path)
         return path
 
-    def control(self, stack: LocalStack, name: str, description: str, how: str) -> Path:
-        """The last window of the stack as a control (expected cause: none), evaluated now."""
+    def control(self, stack: LocalStack, progress: Callable[[str], None], name: str, description: str) -> Path:
+        """``control_s`` more of steady traffic, then the last window of the stack as a control (no cause)."""
+        time.sleep(self.control_s)
         end = time.time()
-        return self.save(stack, name, end - WINDOW_S, end, {"expected_cause": None, "kind": "control",
-                                                            "description": description, **self._meta(stack, how)})
+        path = self.save(stack, name, end - WINDOW_S, end, {
+            "expected_cause": None, "kind": "control", "description": f"no fault: {description}",
+            **self._meta(stack, f"{description}; {self.control_s:.0f}s of steady traffic")})
+        progress(f"recorded {path}")
+        return path
 
     def controls(self, stack: LocalStack, key: StackKey, progress: Callable[[str], None],
                  baselines: dict[str, Any]) -> None:
         """The stack's three controls (the caller keeps the baseline traffic running); ``baselines``: the
-        calibrated ones, published again after the restart."""
+        calibrated ones, published again after the restart, as a rollout keeps its baseline file."""
         where = stack_name(key)
-        time.sleep(self.control_s)
-        path = self.control(stack, f"control-{where}-{self.suffix}", "no fault: steady baseline traffic after "
-                            "calibration", f"{self.control_s:.0f}s of steady traffic after calibration")
-        progress(f"recorded {path}")
+        self.control(stack, progress, f"control-{where}-{self.suffix}", "steady baseline traffic after calibration")
         before = stack.info()["knobs"]
         threshold = float(before.get("cache_threshold") or 0.5)
         stack.knobs(cache_threshold=threshold + 0.3, vae_tiling=False)
         time.sleep(2 * parse_duration(load_thresholds().profiles[stack.profile].scrape_interval))
         stack.knobs(cache_threshold=threshold, vae_tiling=bool(before.get("vae_tiling", True)))
-        time.sleep(self.control_s)
-        path = self.control(stack, f"control-knobs-{where}-{self.suffix}",
-                            "no fault: the cache threshold (+0.3) and VAE tiling (off) set for two scrapes and "
-                            "restored, then steady traffic",
-                            f"knobs set and restored, then {self.control_s:.0f}s of steady traffic")
-        progress(f"recorded {path}")
-        self._restart_control(stack, where, progress, baselines)
-
-    def _restart_control(self, stack: LocalStack, where: str, progress: Callable[[str], None],
-                         baselines: dict[str, Any]) -> None:
-        """A rollout's restart under traffic; the deployment's baselines are published again afterwards, as a
-        rollout keeps its baseline file (measured again at once, the warm-up's first requests would skew them)."""
+        self.control(stack, progress, f"control-knobs-{where}-{self.suffix}",
+                     "the cache threshold (+0.3) and VAE tiling (off) set for two scrapes and restored")
         progress("restarting the practice service (a control: a restart is no fault)")
         stack.restart_service()
         if baselines:
             stack.knobs(baselines={"shapes": baselines})
-        time.sleep(self.control_s)
-        path = self.control(stack, f"control-restart-{where}-{self.suffix}",
-                            "no fault: the service restarted under traffic (a rollout), warmed up, baselines "
-                            "published again, then steady traffic",
-                            f"service restarted, then {self.control_s:.0f}s of steady traffic")
-        progress(f"recorded {path}")
+        self.control(stack, progress, f"control-restart-{where}-{self.suffix}",
+                     "the service restarted under traffic (a rollout), warmed up, its baselines published again")
 
     def drill(self, stack: LocalStack, name: str, cause: str, alert: str, injected_at: float,
               detected_at: float, end: float, live: dict[str, Any], description: str,
