@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,12 +15,14 @@ from pathlib import Path
 import pytest
 
 from stepwatch.alerts.thresholds import load
+from stepwatch.fault_injection import recording
 from stepwatch.fault_injection.criteria import load as load_criteria
 from stepwatch.fault_injection.drills import DrillResult, Runner, _Watch
+from stepwatch.fault_injection.recording import revision
 from stepwatch.fault_injection.registry import ALL_DRILLS, BY_NAME_ONLY, DRILLS, SEED_DRILLS
 from stepwatch.fault_injection.report import render_markdown
 from stepwatch.fault_injection.stack import Notification, starts_at
-from stepwatch.runbooks.parse import CAUSES, load_drills
+from stepwatch.runbooks.parse import CAUSES, load_drills, runbooks_dir
 
 TH = load()
 GOAL_S = load_criteria().goal_s
@@ -213,3 +216,29 @@ def test_queue_overload_straggler_and_stall_drills(tmp_path: Path) -> None:
     rc, summary, log = _run_drills(list(names), tmp_path)
     assert rc == 0, log
     _check(summary, names, tmp_path)
+
+
+def test_a_variant_replaces_the_faults_values_and_nothing_else() -> None:
+    """Recordings vary a fault's values (--variant K): the drill block's K-th variant, cycling; 0 as written."""
+    cache = DRILLS["cache-threshold"](TH)
+    assert cache.inject_knobs() == {"cache_threshold": 5.0}
+    assert DRILLS["cache-threshold"](TH, variant=1).inject_knobs() == {"cache_threshold": 3.0}
+    assert DRILLS["cache-threshold"](TH, variant=2).inject_knobs() == {"cache_threshold": 3.0}  # one variant
+    kind = DRILLS["cache-kind"](TH, variant=1)
+    assert kind.inject_knobs() == {"cache": "taylorseer"} and kind.cause == "config_changed"
+    burst = DRILLS["queue-overload"](TH, variant=1).spec.traffic
+    assert (burst["concurrent"], burst["steps"], burst["size"]) == (20, 48, "512x512")  # the rest as written
+    assert DRILLS["cache-off"](TH, variant=1).spec == DRILLS["cache-off"](TH).spec  # no variants: unchanged
+
+
+def test_recordings_name_the_runbooks_they_met(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scenario's runbooks_revision changes with any runbook check, so a case recorded before a check changed
+    because of it can be told from one recorded after."""
+    copy = tmp_path / "runbooks"
+    shutil.copytree(runbooks_dir(), copy)
+    monkeypatch.setattr(recording, "runbooks_dir", lambda: copy)
+    before = revision()
+    assert len(before) == 12 and before == revision()
+    rb = copy / "rank-skew.md"
+    rb.write_text(rb.read_text().replace('healthy: "<= ${threshold.rank_skew}"', 'healthy: "<= 0.2"', 1))
+    assert revision() != before
