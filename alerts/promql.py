@@ -236,6 +236,11 @@ def over_positive(numerator: str, divisor: str, on: str) -> str:
     return f"{numerator}\n/ on ({on})\n  ({divisor} > 0)"
 
 
+def latest(selector: str, window: str) -> str:
+    """Each series' last sample within ``window`` (a gauge, a counter or a recording rule alike)."""
+    return f"last_over_time({selector}[{window}])"
+
+
 def since(timestamp_sel: str) -> str:
     """Seconds since a unix-timestamp gauge; absent while the gauge is 0 (it never happened)."""
     return f"time() - ({timestamp_sel} > 0)"

@@ -534,7 +534,7 @@ class Runner:
         live = {"cause": r.triage_cause, "confidence": (r.triage or {}).get("confidence"),
                 "firing": (r.triage or {}).get("firing", [])}
         try:
-            firing = [Alert.parse(a).to_webhook() for a in r.details.get("_firing_at_detection", [])]
+            firing = [Alert.parse(a).to_webhook() for a in r.details.get("firing_at_detection", [])]
             path = record.drill(self.stack, drill.name, drill.cause, drill.expected, r.injected_at,
                                 r.injected_at + r.time_to_detect_s, r.ended_at, live, drill.description,
                                 {"inject": drill.spec.inject, "traffic": drill.spec.traffic}, firing)
@@ -684,7 +684,7 @@ class Runner:
         if hit and r.time_to_detect_s is None:
             r.time_to_detect_s = time.time() - r.injected_at
             r.expected_labels = dict(hit[0]["labels"].items())
-            r.details["_firing_at_detection"] = [a for a in alerts if a.get("state") == "firing"]
+            r.details["firing_at_detection"] = [a for a in alerts if a.get("state") == "firing"]
             self.progress(f"[{drill.name}] {drill.expected} firing after {r.time_to_detect_s:.1f}s")
         if r.time_to_detect_s is None:
             return False

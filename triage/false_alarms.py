@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from stepwatch.alerts import defs, rulegen
+from stepwatch.alerts import defs, promql, rulegen
 from stepwatch.alerts.thresholds import Thresholds, parse_duration
 from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.promapi import Prometheus
@@ -44,7 +44,7 @@ def labels_from(prom: Prometheus, at: float, expr: str, wanted: tuple[str, ...])
     """Label values for an alert from the recording: the series of its metrics carrying most of ``wanted``."""
     best: dict[str, str] = {}
     for name in metrics_of(expr):
-        for s in prom.query(f"last_over_time({name}[10m])", at=at):
+        for s in prom.query(promql.latest(name, "10m"), at=at):
             have = {k: v for k, v in s.labels.items() if k in wanted or k == "job"}
             if len(have) > len(best):
                 best = have
