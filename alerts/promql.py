@@ -83,16 +83,20 @@ def events(selector: str, window: str, threshold: float = 0.0, by: str | None = 
     Counters like ``stepwatch_oom_total{shape,stage}`` are born at 1 on their first event,
     which ``increase()`` alone never shows.  The second arm needs the job to have been
     scraped one window ago, so a restarted Prometheus (no history) does not mistake every
-    old counter for a new one.  With ``by``, both arms are summed to those labels (panels);
-    without, each series stands alone (alerts keep every label for routing and triage).
+    old counter for a new one, and the label set to have had no sample in the whole window
+    before that (not only at its end), so a counter that was missing from a few scrapes (a
+    frozen worker's metrics, back after SIGCONT) is not taken for a new one.  With ``by``,
+    both arms are summed to those labels (panels); without, each series stands alone (alerts
+    keep every label for routing and triage).
     """
     t = num(threshold)
+    before = f"last_over_time({selector}[{window}] offset {window})"
     if by is None:
         grew = f"increase({selector}[{window}]) > {t}"
-        born = f"({selector} > {t} unless {selector} offset {window})"
+        born = f"({selector} > {t} unless {before})"
     else:
         grew = f"{sum_increase(selector, window, by)} > {t}"
-        born = _sum(by, f"{selector} unless {selector} offset {window}")
+        born = _sum(by, f"{selector} unless {before}")
     return (f"  {grew}\n"
             f"or\n"
             f"  (\n"

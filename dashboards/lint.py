@@ -10,7 +10,8 @@ Rules (each problem names the panel and the rule):
   ``$__rate_interval``
 - target-counter-agg: counters (catalog kind counter, ``*_total``, histogram ``_bucket/_count/_sum``)
   appear only inside ``rate()``/``increase()``, or in the first-event idiom
-  ``X unless X offset $__rate_interval`` (counters born at 1 on their first event; see
+  ``X unless last_over_time(X[$__rate_interval] offset $__rate_interval)`` (counters born at 1 on
+  their first event; see
   ``stepwatch.alerts.promql.events``); rate/increase are applied to nothing else
 - target-metric-known: every series a query names is in ``stepwatch/catalog.py``, a recording rule of
   ``alerts/rulegen.recorded_names``, or ``up`` / ``ALERTS``
@@ -50,7 +51,8 @@ _AGGREGATIONS = {"sum", "min", "max", "avg", "count", "group", "stddev", "stdvar
 _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(")
 _RANGE = re.compile(r"\[([^\]]*)\]")
 _OFFSET = re.compile(r"\boffset\s+(\S+?)(?=[\s)]|$)")
-_BORN = re.compile(r"(?P<sel>[A-Za-z_:][\w:]*(?:\{[^{}]*\})?)\s+unless\s+(?P=sel)\s+offset\s+\$__rate_interval")
+_BORN = re.compile(r"(?P<sel>[A-Za-z_:][\w:]*(?:\{[^{}]*\})?)\s+unless\s+last_over_time\((?P=sel)"
+                   r"\[\$__rate_interval\]\s+offset\s+\$__rate_interval\)")
 
 
 def _blank(text: str, start: int, end: int) -> str:

@@ -134,6 +134,11 @@ def born(at_index: int, v: float, n: int) -> str:
     return f"_x{at_index} {num(v)}x{n - at_index}"
 
 
+def gap(v: float, at_index: int, back_index: int, n: int) -> str:
+    """v, then a staleness marker at at_index and no sample until back_index, then v again (n+1 samples)."""
+    return f"{num(v)}x{at_index - 1} stale _x{back_index - at_index - 1} {num(v)}x{n - back_index}"
+
+
 def up(n: int, *instances: tuple[str, str]) -> list[Series]:
     return [Series("up", {"job": j, "instance": i}, const(1, n)) for j, i in instances]
 
@@ -153,18 +158,24 @@ def events_case(p: Timing, metric: str, old: dict[str, str], new: dict[str, str]
     kb = p.align(p.Wa + 2 * p.s) // p.s
     kc = kb + p.align(p.Wa + 2 * p.s) // p.s
     tb, tc = kb * p.s, kc * p.s
-    n = p.n(tc + p.Wa + 2 * p.s)
-    base = {"job": SVC, "instance": I1}
-    series = up(n, (SVC, I1)) + [
+    # A counter missing from a window of scrapes (a frozen worker's metrics) and back at the same value.
+    ka = (tc + p.Wa + p.e) // p.s + 1
+    kr = ka + p.Wa // p.s + 1
+    n = p.n(kr * p.s + p.Wa + 2 * p.s)
+    base, other = {"job": SVC, "instance": I1}, {"job": SVC, "instance": I2}
+    series = up(n, (SVC, I1), (SVC, I2)) + [
         Series(metric, {**base, **old}, const(2, n)),
         Series(metric, {**base, **new}, born(kb, 1, n)),
         Series(metric, {**base, **inc}, jump(1, kc, 2, n)),
+        Series(metric, {**other, **old}, gap(1, ka, kr, n)),
     ] + (quiet or [])
     return Case(p.spec.key, "old counter quiet after a Prometheus restart; a new label set born at 1 fires; an "
-                "increase fires; both clear a window later", series, [
+                "increase fires; both clear a window later; a counter back after a gap is not new", series, [
                     Expect(p.e, [], "restarted Prometheus: no history, old counters are not new"),
                     Expect(tb - p.e, [], "before the event"),
                     Expect(tb, [({**base, **new}, 1.0)], "born at 1"),
                     Expect(tc, [({**base, **inc}, 1.0)], "increased"),
                     Expect(tc + p.Wa + p.e, [], "a window later"),
+                    Expect(kr * p.s, [], "back after a window without samples: not a new counter"),
+                    Expect(kr * p.s + p.e, [], "still not"),
                 ])
