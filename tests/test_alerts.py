@@ -178,7 +178,8 @@ def test_unit_tests_fail_when_a_rule_is_wrong(tmp_path: Path) -> None:
     mutations = {
         "rank threshold": ("ratio_to_fastest_rate1m > 1.1", "ratio_to_fastest_rate1m > 1.13"),
         "memory bucket": ('le="0.9"', 'le="0.95"'),
-        "new-series arm": ("unless last_over_time(stepwatch_oom_total[", "unless last_over_time(stepwatch_oom_total_x["),
+        "new-series arm": ("unless last_over_time(stepwatch_oom_total[",
+                           "unless last_over_time(stepwatch_oom_total_x["),
         # born = absent at one instant a window ago: a counter back after a gap in its scrapes reads as new
         "gap-blind new-series arm": ("unless last_over_time(stepwatch_oom_total[30s] offset 30s)",
                                      "unless stepwatch_oom_total offset 30s"),
