@@ -17,8 +17,6 @@ KNOB_TYPES: dict[str, type | tuple[type, ...]] = {
     "cache": str, "cache_threshold": (int, float), "vae_tiling": bool, "compile": bool,
     "rank_delay_seconds": dict, "baselines": dict, "drop_compiled_graphs": bool,
 }
-# Knobs that do something once rather than set a state: not kept among the service's knobs.
-ACTIONS = ("drop_compiled_graphs",)
 BASELINE_FIELDS = ("step_seconds", "cache_hit_ratio")
 
 
