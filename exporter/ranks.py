@@ -494,6 +494,14 @@ class RankReporter:
         """Rank 0 publishes into ``metrics`` (the exporter's MetricSet)."""
         self.metrics = metrics
 
+    def stamp(self, collective: Callable[..., Any]) -> Callable[..., Any]:
+        """``collective`` (a blocking collective of the host's own, e.g. an all-reduce that makes the ranks
+        agree on a cache decision) stamped like diffusers' attention waits.  A rank frozen while another
+        waits in an unstamped collective looks, to the stall signals, like every rank stuck in its own code
+        (a hung worker, not a collective hang).  Every rank must stamp the same collectives: the k-th
+        stamp of a request is the same call on every rank."""
+        return stamping(collective, self.timeline)
+
     def begin_request(self) -> int:
         """A request starts on this rank: its index, the same on every rank (they run the same requests)."""
         return self.timeline.begin()

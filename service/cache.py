@@ -19,8 +19,10 @@ rank wants them (one all-reduce of one integer per step, on every rank).  MagCac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+Stamp = Callable[[Callable[..., Any]], Callable[..., Any]]
 KINDS = ("none", "first_block_cache", "mag_cache", "taylorseer")
 _FBC_LEADER = "fbc_leader_block_hook"
 
@@ -29,11 +31,12 @@ class _LastStepGuard:
     """Wraps FBCHeadBlockHook._should_compute_remaining_blocks: compute the final step, and with ``sync``
     compute whenever any rank would."""
 
-    def __init__(self, hook: Any, scheduler: Any, sync: bool = False) -> None:
+    def __init__(self, hook: Any, scheduler: Any, sync: bool = False, stamp: Stamp | None = None) -> None:
         self._hook = hook
         self._orig = hook._should_compute_remaining_blocks
         self._scheduler = scheduler
         self._sync = sync
+        self._reduce = stamp(_all_reduce_max) if stamp is not None else _all_reduce_max
 
     def _decide(self, residual: Any) -> bool:
         state = self._hook.state_manager.get_state()
@@ -44,7 +47,7 @@ class _LastStepGuard:
         if steps and calls >= steps:
             return True  # every rank reaches its last step at the same call: no agreement needed
         compute = bool(self._orig(residual))
-        return _any_rank(compute, residual.device) if self._sync else compute
+        return _any_rank(compute, residual.device, self._reduce) if self._sync else compute
 
     def install(self) -> None:
         import torch  # here: the HTTP process imports this module (for KINDS) and must not load torch
@@ -52,14 +55,19 @@ class _LastStepGuard:
         self._hook._should_compute_remaining_blocks = torch.compiler.disable(self._decide)
 
 
-def _any_rank(flag: bool, device: Any) -> bool:
+def _any_rank(flag: bool, device: Any, reduce: Callable[[Any], None]) -> bool:
     """True on every rank when it is True on any: one all-reduce (MAX) of one integer."""
     import torch
-    import torch.distributed as dist
 
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    reduce(t)
     return bool(t.item())
+
+
+def _all_reduce_max(t: Any) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
 
 
 def _world_size() -> int:
@@ -87,10 +95,12 @@ def current(transformer: Any) -> tuple[str, float | None]:
     return kind, getattr(cfg, "threshold", None)
 
 
-def apply_cache(pipe: Any, kind: str, threshold: float | None = None, steps: int = 4) -> None:
+def apply_cache(pipe: Any, kind: str, threshold: float | None = None, steps: int = 4,
+                stamp: Stamp | None = None) -> None:
     """Set the cache of ``pipe.transformer`` to ``kind`` at ``threshold`` (replacing any other).
 
-    ``steps`` is the step count MagCache interpolates its ratios to.
+    ``steps`` is the step count MagCache interpolates its ratios to.  ``stamp`` (with ranks: the rank
+    reporter's ``stamp``) marks the ranks' agreement all-reduce as a collective for the stall signals.
     """
     if kind not in KINDS:
         raise ValueError(f"cache kind {kind!r}: choose one of {', '.join(KINDS)}")
@@ -114,7 +124,7 @@ def apply_cache(pipe: Any, kind: str, threshold: float | None = None, steps: int
         tr.enable_cache(FirstBlockCacheConfig(threshold=0.05 if threshold is None else float(threshold)))
         hook = _leader(tr, _FBC_LEADER)
         if hook is not None:
-            _LastStepGuard(hook, pipe.scheduler, sync=_world_size() > 1).install()
+            _LastStepGuard(hook, pipe.scheduler, sync=_world_size() > 1, stamp=stamp).install()
     elif kind == "mag_cache":
         tr.enable_cache(MagCacheConfig(threshold=0.06 if threshold is None else float(threshold),
                                        num_inference_steps=steps, mag_ratios=FLUX_MAG_RATIOS,

@@ -172,11 +172,11 @@ class Worker:
                 req = GenerationRequest("warm up", 1, w, h, self.cfg.warmup_steps, 1.0, 0)
                 out += [self._timed_warmup(size, req, i) for i in range(2)]
                 if kind == "first_block_cache" and self.compile_active:
-                    apply_cache(self.pipe, kind, 1e9)
+                    apply_cache(self.pipe, kind, 1e9, stamp=self._stamp)
                     try:
                         self._run(GenerationRequest("warm up", 1, w, h, self.cfg.cache_warmup_steps, 1.0, 0))
                     finally:
-                        apply_cache(self.pipe, kind, threshold)
+                        apply_cache(self.pipe, kind, threshold, stamp=self._stamp)
         return out
 
     def _timed_warmup(self, size: str, req: GenerationRequest, run: int) -> WarmupRun:
@@ -231,6 +231,12 @@ class Worker:
             log.warning("compiled graphs dropped: every shape compiles again on its next request")
         return dict(self.knobs)
 
+    @property
+    def _stamp(self) -> Any:
+        """With ranks, the rank reporter's stamp: the cache's agreement all-reduce counts as a collective."""
+        reporter = self.inst.options.rank_reporter if self.inst is not None else None
+        return reporter.stamp if reporter is not None else None
+
     def _apply_cache(self, knobs: dict[str, Any]) -> bool:
         """The cache knobs; True when the cache kind changed on a compiled service (it must re-warm)."""
         if "cache" not in knobs and "cache_threshold" not in knobs:
@@ -238,7 +244,7 @@ class Worker:
         before = current(self.pipe.transformer)[0]
         kind = knobs.get("cache", before)
         threshold = knobs.get("cache_threshold", self.knobs.get("cache_threshold"))
-        apply_cache(self.pipe, kind, threshold, steps=self.cfg.default_steps)
+        apply_cache(self.pipe, kind, threshold, steps=self.cfg.default_steps, stamp=self._stamp)
         self.knobs["cache"] = kind
         self.knobs["cache_threshold"] = threshold
         # Another cache kind changes the blocks' forward: a compiled service re-warms its shapes, as a

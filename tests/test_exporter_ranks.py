@@ -174,6 +174,29 @@ def test_a_frozen_rank_shows_as_progress_age_while_the_other_waits_in_its_collec
     assert value(registry, "stepwatch_rank_progress_age_seconds", rank="1") == 0
 
 
+def test_a_host_collective_stamped_by_the_reporter_shows_as_a_wait_for_the_frozen_rank() -> None:
+    """The practice service's cache agreement is an all-reduce of its own, not diffusers' attention wait.
+    Unstamped, rank 0 blocked in it looked like a rank stuck in its own code: the two-rank stall drill named
+    a hung worker, not the collective hang (CI).  ``stamp`` makes it a wait like any other."""
+    clock = Clock()
+    r0, r1, _ch, registry = two_ranks(clock)
+    for rep in (r0, r1):
+        rep.begin_request()
+    r1.tick()  # rank 1's last heartbeat: it freezes before the all-reduce
+    seen: list[float] = []
+
+    def all_reduce(t: list[int]) -> None:  # blocks until the frozen rank joins: here, 30 s of rank 0's ticks
+        for _ in range(30):
+            clock.t += 1
+            r0.tick()
+        seen.append(value(registry, "stepwatch_rank_collective_wait_seconds", rank="0"))
+
+    r0.stamp(all_reduce)([1])
+    assert seen == [pytest.approx(30)]
+    assert value(registry, "stepwatch_rank_progress_age_seconds", rank="1") == pytest.approx(30)
+    assert len(r0.timeline.marks) == 1 and r0.timeline.in_since is None
+
+
 def test_a_rank_frozen_inside_a_wait_does_not_look_like_the_rank_waiting_for_it() -> None:
     """SIGSTOP lands mostly inside a wait (gloo's transfers take most of a small step): both ranks' last
     heartbeats say "in a collective", but only the live one keeps saying it."""
