@@ -67,7 +67,8 @@ class DrillResult:
     details: dict[str, Any] = field(default_factory=dict)
     triage_cause: str | None = None
     triage: dict[str, Any] | None = None
-    injected_at: float = 0.0
+    injected_at: float = 0.0  # when the fault was in place (the injection call returned)
+    injection_s: float = 0.0  # how long putting it in took (a knob that re-warms: many seconds)
     restored_at: float = 0.0
     ended_at: float = 0.0
     snapshots: list[str] = field(default_factory=list)
@@ -79,6 +80,16 @@ class DrillResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _evidence_trail(verdict: dict[str, Any] | None) -> str:
+    """The checks behind a wrong verdict, on one line: what a CI log must say for the miss to be understood."""
+    if not verdict:
+        return " (no triage verdict)"
+    steps = verdict.get("path") or verdict.get("evidence") or []
+    trail = [f"{e.get('check')}={e.get('value')}:{e.get('outcome')}" for e in steps]
+    status = verdict.get("status", "")
+    return f" (triage {status}: {', '.join(trail) or 'no checks ran'})"
 
 
 def _r(v: float | None) -> float | None:
@@ -649,10 +660,14 @@ class Runner:
         failed check, Ctrl-C or SIGTERM): restore runs exactly once, in the finally.
         """
         st = self.stack
-        r.injected_at = time.time()
+        started = time.time()
         self.progress(f"[{drill.name}] injecting the fault")
         try:
             _attempt(r, "injection", lambda: drill.inject(st, r))
+            r.injected_at = time.time()
+            r.injection_s = r.injected_at - started
+            if r.injection_s >= 1.0:
+                self.progress(f"[{drill.name}] fault in place after {r.injection_s:.1f}s")
             deadline = r.injected_at + self.criteria.detect_deadline_s
             while time.time() < deadline and not self._poll_alert(drill, r, w):
                 self._look_at_health(w)
@@ -691,7 +706,7 @@ class Runner:
         if st.webhook is None:
             return True
         if r.time_to_webhook_s is None:
-            note = st.webhook.first_firing(drill.expected, r.injected_at)
+            note = st.webhook.first_firing(drill.expected, r.injected_at - r.injection_s)
             if note is not None:
                 r.time_to_webhook_s = note.received - r.injected_at
         return r.time_to_webhook_s is not None
@@ -742,7 +757,8 @@ class Runner:
         if self.triage is not None:
             r.checks["triage_names_the_cause"] = r.triage_cause == drill.cause
             if r.triage_cause != drill.cause:
-                r.failures.append(f"triage named {r.triage_cause!r}, expected {drill.cause!r}")
+                r.failures.append(f"triage named {r.triage_cause!r}, expected {drill.cause!r}"
+                                  + _evidence_trail(r.triage))
         r.checks["webhook_delivered"] = st.webhook is None or r.time_to_webhook_s is not None
         self._judge_alerts(drill, r, w)
         for k, ok in r.checks.items():

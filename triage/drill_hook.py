@@ -33,5 +33,7 @@ def triage_for_drill(stack: LocalStack, result: DrillResult) -> dict[str, Any] |
             "evidence": [{"check": c.id, "runbook": c.runbook, "title": c.title, "query": c.query,
                           "value": c.value_text(), "healthy_when": c.condition, "outcome": c.outcome}
                          for c in inc.evidence(4)],
+            "path": [{"check": c.id, "value": c.value_text(), "outcome": c.outcome}
+                     for c in inc.primary.checks if c.on_path],
             "next_step": inc.primary.next_step(), "runbook_url": inc.primary.runbook_url,
             "panel": inc.primary.panel, "text": incident_terminal(inc)}
