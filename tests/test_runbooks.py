@@ -144,7 +144,9 @@ def test_explained_by_names_another_alert(th: Any, runbooks: dict[str, parse.Run
     names = {a.name for a in th.alerts.values()}
     joins = {(rb.alert, c.id): c.explained_by for rb in runbooks.values() for c in rb.checks if c.explained_by}
     assert joins == {("StepwatchQualityProbeFailing", "stalled"): "StepwatchWorkerStalled",
-                     ("StepwatchQueueWaitHigh", "stalled"): "StepwatchWorkerStalled"}
+                     ("StepwatchQueueWaitHigh", "stalled"): "StepwatchWorkerStalled",
+                     ("StepwatchQualityProbeFailing", "serving_compiles"): "StepwatchServingRecompile",
+                     ("StepwatchStepTimeRegression", "serving_compiles"): "StepwatchServingRecompile"}
     for (alert, _cid), target in joins.items():
         assert target in names and target != alert
 
@@ -249,6 +251,23 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
         assert d.within == "60s"
         for alert in d.alerts:
             assert d.cause in runbooks[th.by_name(alert).name].causes(), (d.id, alert)
+        for alert, cause in d.also.items():  # an alert in hand: its runbook (or its join) can reach the cause
+            assert alert != d.alerts[0] and th.by_name(alert) is not None, (d.id, alert)
+            assert cause in CAUSES, (d.id, alert, cause)
+    assert sum(len(d.also) for d in drills) == 20
+
+
+@pytest.mark.parametrize("also, message", [
+    ("[StepwatchOutOfMemory]", "also maps alert names"),
+    ("{OutOfMemory: vae_tiling_off}", "also maps alert names"),
+    ("{StepwatchOutOfMemory: made_up}", "not in the cause vocabulary: made_up"),
+])
+def test_a_bad_also_is_refused_naming_the_drill(tmp_path: Path, also: str, message: str) -> None:
+    f = tmp_path / "drills.md"
+    f.write_text(f"## A drill\n\n```drill\nid: a\nalerts: [StepwatchMemoryPressure]\ncause: vae_tiling_off\n"
+                 f"within: 60s\nalso: {also}\n```\n")
+    with pytest.raises(parse.RunbookError, match=f"drills.md: A drill: .*{message}"):
+        parse.load_drills(f)
 
 
 def test_fault_table_links_resolve() -> None:
