@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from stepwatch import httpclient
@@ -40,6 +41,7 @@ from stepwatch.promapi import PromError
 from stepwatch.runbooks.parse import Drill as DrillSpec
 from stepwatch.runbooks.parse import load_drills
 from stepwatch.triage.engine import Alert
+from stepwatch.triage.in_hand import write_in_hand
 
 log = logging.getLogger("stepwatch.drills")
 
@@ -550,8 +552,17 @@ class Runner:
                                 r.injected_at + r.time_to_detect_s, r.ended_at, live, drill.description,
                                 {"inject": drill.spec.inject, "traffic": drill.spec.traffic}, firing)
             r.notes.append(f"recorded as a triage scenario: {path}")
+            self._record_in_hand(drill, r, path)
         except Exception as e:
             r.notes.append(f"recording the scenario failed: {type(e).__name__}: {e}")
+
+    @staticmethod
+    def _record_in_hand(drill: Drill, r: DrillResult, path: Path) -> None:
+        """The drill block's other alerts in hand, each a scenario of its own on this recording."""
+        written, absent = write_in_hand(path, drill.spec.also)
+        r.notes += [f"recorded with {p.name.split('-as-')[-1]} in hand: {p}" for p in written]
+        if absent:
+            r.notes.append(f"not firing when the drill's alert fired, so no case: {', '.join(absent)}")
 
     def _try_firing(self, r: DrillResult | None = None) -> set[str] | None:
         """The names firing now, or None (with a note on the report) when Prometheus did not answer."""

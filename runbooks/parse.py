@@ -437,7 +437,7 @@ def follow(runbook: Runbook, outcome_of: Callable[[Check], Outcome]) -> tuple[st
 
 # ----- drills ---------------------------------------------------------------------------------
 
-DRILL_KEYS = {"id", "alerts", "cause", "within", "inject", "traffic", "restore", "variants"}
+DRILL_KEYS = {"id", "alerts", "cause", "within", "inject", "traffic", "restore", "variants", "also"}
 
 
 @dataclass(frozen=True)
@@ -453,6 +453,9 @@ class Drill:
     # Other values of the same fault, for recordings that must not all reuse one (a variant's ``inject`` and
     # ``traffic`` keys replace the drill's): variant k of n is the k-th, cycling.
     variants: tuple[dict[str, Any], ...] = ()
+    # Other alerts the fault raises, each with its true cause: a page for any of them is a question for triage,
+    # so a recording also scores each one that fires with the drill's alert (triage/in_hand.py).
+    also: dict[str, str] = field(default_factory=dict)
 
     def variant(self, k: int) -> Drill:
         """This drill with variant ``k`` applied (``k`` 0 and no variants: the drill as written)."""
@@ -464,6 +467,17 @@ class Drill:
 
 
 _DRILL_FENCE = re.compile(r"^```drill[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
+
+
+def _also(where: str, also: Any) -> dict[str, str]:
+    if also is None:
+        return {}
+    if not isinstance(also, dict) or not all(isinstance(k, str) and k.startswith("Stepwatch") for k in also):
+        raise RunbookError(f"{where}: also maps alert names (Stepwatch...) to their causes")
+    bad = sorted(str(c) for c in also.values() if c not in CAUSES)
+    if bad:
+        raise RunbookError(f"{where}: also names causes not in the cause vocabulary: {', '.join(bad)}")
+    return {str(k): str(v) for k, v in also.items()}
 
 
 def load_drills(file: str | Path | None = None) -> list[Drill]:
@@ -491,5 +505,5 @@ def load_drills(file: str | Path | None = None) -> list[Drill]:
             raise RunbookError(f"{where}: variants is a list of {{inject: ..., traffic: ...}}")
         out.append(Drill(str(data["id"]), t.group(1).strip(), tuple(data["alerts"]), str(data["cause"]),
                          str(data["within"]), dict(data.get("inject") or {}), dict(data.get("traffic") or {}),
-                         dict(data.get("restore") or {}), tuple(variants)))
+                         dict(data.get("restore") or {}), tuple(variants), _also(where, data.get("also"))))
     return out

@@ -32,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "eval": ("stepwatch.triage.cli_eval", "score triage on recorded scenarios"),
         "false-alarms": ("stepwatch.triage.cli_false_alarms",
                          "write false-alarm controls: every alert presented on a quiet recording"),
+        "in-hand": ("stepwatch.triage.cli_in_hand",
+                    "write a drill recording's other alerts (its block's also) as scenarios of their own"),
     },
     "bench": {
         "overhead": ("stepwatch.exporter.cli_bench", "instrumentation overhead per step, bare vs instrumented"),
