@@ -219,10 +219,14 @@ def _alerts(raw: Any) -> dict[str, AlertSpec]:
 
 
 def _diagnosis(raw: Any) -> dict[str, float | str]:
-    """Numbers (or durations) only the runbooks' checks use."""
+    """Numbers, durations or label-value lists (a list becomes the regex ``a|b|c``) only the runbooks' checks use."""
     diagnosis: dict[str, float | str] = {}
     for k, v in raw.items():
-        if isinstance(v, str):
+        if isinstance(v, list):
+            if not v or not all(isinstance(x, str) and re.fullmatch(r"[a-z_][a-z0-9_]*", x) for x in v):
+                raise ThresholdsError(f"diagnosis.{k}: a list of label values (lower_case names), got {v!r}")
+            diagnosis[str(k)] = "|".join(v)
+        elif isinstance(v, str):
             parse_duration(v, f"diagnosis.{k}")
             diagnosis[str(k)] = v
         else:

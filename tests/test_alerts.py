@@ -327,6 +327,7 @@ def test_promql_metric_names() -> None:
     (lambda d: d["profiles"]["drill"].update(rate_window="10s"), "profiles.drill.rate_window"),
     (lambda d: d.update(runbook_base_url="runbooks/"), "runbook_base_url"),
     (lambda d: d["diagnosis"].update(change_lookback="an hour"), "diagnosis.change_lookback"),
+    (lambda d: d["diagnosis"].update(benign_clock_reasons=["gpu idle"]), "diagnosis.benign_clock_reasons"),
 ])
 def test_loader_errors_name_the_key(raw: dict[str, Any], edit: Any, message: str) -> None:
     data = copy.deepcopy(raw)
