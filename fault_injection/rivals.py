@@ -15,7 +15,8 @@ mechanism, so only the runbook's checks can tell the cases apart (runbooks/drill
 - memory: a request too large even with VAE tiling on (`shape-too-large`);
 - errors: the worker process killed (`worker-killed`);
 - a stalled worker with one rank: the whole worker frozen (`worker-freeze`);
-- the quality baseline stale: the deployment changed under the prober (`fingerprint-change`).
+- the quality baseline stale: the deployment changed under the prober (`fingerprint-change`);
+- a rank late: its GPU throttled, as NVML reports it (`gpu-throttle`, on the stand-in GPUs).
 
 Knob faults come out through the knob's previous value; process faults through the
 service's own recovery (a restart) or SIGCONT.
@@ -27,6 +28,7 @@ import os
 import signal
 import time
 
+from stepwatch.exporter.sidecar.practice_gpus import write_state
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.drills import (
     RECOVER_DEADLINE_S,
@@ -203,6 +205,28 @@ class WorkerKilled(Drill):
         r.checks["serves_after_restart"] = status == 200
 
 
+class GpuThrottle(Straggler):
+    """Rank 1's GPU reports a thermal slowdown: the same late rank as the straggler drill, another cause."""
+
+    name = "gpu-throttle"
+    doc_id = "gpu_throttle"
+    companions = ("step_time_regression",)
+    description = ("Rank 1's GPU throttles (NVML reports a thermal slowdown and a lower SM clock; the practice "
+                   "stack's stand-in GPUs say so, and the admin delay slows rank 1 as the lower clock would): "
+                   "the rank-skew alert names rank 1, and triage must blame the clock, not another process.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        gpu = self.spec.inject["gpu_throttle"]
+        index, reason = int(gpu["gpu"]), str(gpu.get("reason", "sw_thermal_slowdown"))
+        write_state(stack.practice_gpus, stack.ranks, {index: [reason]}, {index: float(gpu.get("sm_clock_mhz", 1110))})
+        r.notes.append(f"stand-in GPU {index}: {reason} at {gpu.get('sm_clock_mhz', 1110)} MHz")
+        super().inject(stack, r)
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        write_state(stack.practice_gpus, stack.ranks)  # the GPUs stay; the throttle ends
+        super().restore(stack, r)
+
+
 class WorkerFreeze(WorkerStall):
     """The stall drill on one rank: the whole worker frozen; recovery (SIGCONT or the restart) is the same."""
 
@@ -225,5 +249,7 @@ class WorkerFreeze(WorkerStall):
         r.checks["readyz_503_while_stalled"] = code == 503
 
 
+# GpuThrottle last: its throttle stays in the runbooks' lookback (diagnosis.throttle_lookback) for the
+# stack's later rank drills, which would then be read as throttling.
 RIVALS: tuple[type[Drill], ...] = (CacheOff, StragglerStepTime, FingerprintChange, CacheThresholdRaise, CacheKind,
-                                   CompileCacheDropped, ShapeTooLarge, WorkerKilled, WorkerFreeze)
+                                   CompileCacheDropped, ShapeTooLarge, WorkerKilled, WorkerFreeze, GpuThrottle)

@@ -330,6 +330,8 @@ class LocalStack:
         self.service_overrides = service_overrides or {}
         self.compile_backend = compile_backend
         self.ranks = ranks
+        # The sidecar's stand-in GPUs (exporter/sidecar/practice_gpus.py): none until a drill writes them.
+        self.practice_gpus = self.workdir / "practice-gpus.json"
         self.with_sidecar = sidecar
         self.probe_interval = probe_interval
         self.attach = attach
@@ -446,7 +448,8 @@ class LocalStack:
         sidecar = Child("sidecar", [
             sys.executable, "-m", "stepwatch.cli", "sidecar", "--target", self.service_url,
             "--port", str(port), "--baseline-dir", str(self.workdir / "baselines"),
-            "--probe-set", str(probe_file), "--interval", f"{self.probe_interval:g}"],
+            "--probe-set", str(probe_file), "--interval", f"{self.probe_interval:g}",
+            "--practice-gpus", str(self.practice_gpus)],
             self.workdir / "sidecar.log")
         self.children.append(sidecar)
         self._wait(lambda: httpclient.ok(f"{self.sidecar_url}/metrics"), "sidecar", deadline, child=sidecar)

@@ -44,6 +44,32 @@ def test_every_drill_reads_its_block_in_the_runbook() -> None:
     assert DRILLS["vae-tiling-oom"](TH).required == ("StepwatchMemoryPressure", "StepwatchOutOfMemory")
 
 
+class _KnobStack:
+    """What GpuThrottle touches of a LocalStack: its stand-in GPUs' state file, its rank count, its knobs."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.practice_gpus, self.ranks, self.calls = workdir / "practice-gpus.json", 2, []
+
+    def knobs(self, **knobs: object) -> dict:
+        self.calls.append(knobs)
+        return knobs
+
+
+def test_gpu_throttle_reports_rank_1s_gpu_throttled_slows_it_and_ends_the_throttle_on_restore(tmp_path: Path) -> None:
+    from stepwatch.exporter.sidecar.practice_gpus import PracticeGpus
+
+    drill, stack, r = DRILLS["gpu-throttle"](TH), _KnobStack(tmp_path), DrillResult("gpu-throttle", "", "")
+    drill.inject(stack, r)  # type: ignore[arg-type]
+    gpus = PracticeGpus(stack.practice_gpus)
+    assert gpus.device_count() == 2 and gpus.throttle_reasons(1) == 0x20 and gpus.throttle_reasons(0) == 0
+    assert gpus.sm_clock_mhz(1) == 1110 and stack.calls == [{"rank_delay_seconds": {"1": 0.04}}]
+    drill.restore(stack, r)  # type: ignore[arg-type]
+    assert gpus.device_count() == 2 and gpus.throttle_reasons(1) == 0
+    assert stack.calls[-1] == {"rank_delay_seconds": {}}
+    assert drill.cause == "gpu_throttling"
+    assert ALL_DRILLS[-1] == "gpu-throttle"  # last: its throttle stays in the look-back
+
+
 def test_report_markdown_has_the_table_and_the_failures() -> None:
     ok = DrillResult("cache-threshold", "StepwatchQualityDrop", expected_cause="cache_threshold_too_high",
                      passed=True, time_to_detect_s=21.4, time_to_webhook_s=22.0, checks={"detected": True},

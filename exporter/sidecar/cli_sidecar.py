@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "slowest probe seen)")
     p.add_argument("--thresholds", help="thresholds YAML (default: the packaged alerts/thresholds.yaml)")
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs")
+    p.add_argument("--practice-gpus", metavar="FILE",
+                   help="report stand-in GPUs from this JSON state file instead of NVML (the practice stack's "
+                        "drills write it; no file: no GPU); see exporter/sidecar/practice_gpus.py")
     p.add_argument("--no-prober", action="store_true", help="do not probe quality (GPU metrics only)")
 
 
@@ -68,6 +71,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         kw["thresholds"] = Path(args.thresholds)
     if args.no_nvml:
         kw["nvml"] = False
+    if args.practice_gpus:
+        kw["practice_gpus"] = Path(args.practice_gpus)
     if args.no_prober:
         kw["prober"] = False
     return kw

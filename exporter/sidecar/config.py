@@ -291,10 +291,12 @@ class SidecarConfig:
     thresholds: Path | None = None
     nvml: bool = True
     prober: bool = True
+    practice_gpus: Path | None = None  # stand-in GPUs from this state file instead of NVML (practice_gpus.py)
 
 
 CONFIG_KEYS = {"target", "probe_set", "baseline_dir", "gate", "interval_s", "min_interval_s", "retry_interval_s",
-               "timeout_s", "timeout_margin_s", "initial_timeout_s", "budget_ratio", "thresholds", "nvml", "prober"}
+               "timeout_s", "timeout_margin_s", "initial_timeout_s", "budget_ratio", "thresholds", "nvml", "prober",
+               "practice_gpus"}
 
 
 def parse_config(data: Any, base: Path | None = None) -> SidecarConfig:
@@ -320,6 +322,8 @@ def parse_config(data: Any, base: Path | None = None) -> SidecarConfig:
         kw["baseline_dir"] = base / _str(d["baseline_dir"], "baseline_dir")
     if "thresholds" in d:
         kw["thresholds"] = base / _str(d["thresholds"], "thresholds")
+    if d.get("practice_gpus") is not None:
+        kw["practice_gpus"] = base / _str(d["practice_gpus"], "practice_gpus")
     if d.get("gate") is not None:
         kw["gate"] = _str(d["gate"], "gate")
     for k in ("interval_s", "timeout_s", "budget_ratio"):

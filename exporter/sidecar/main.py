@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.exporter.sidecar.config import SidecarConfig
 from stepwatch.exporter.sidecar.nvml import NvmlCollector
+from stepwatch.exporter.sidecar.practice_gpus import PracticeGpus
 from stepwatch.exporter.sidecar.prober import Prober
 from stepwatch.exposition import serve_metrics
 
@@ -30,9 +32,10 @@ DEFAULT_PORT = 9465
 DEFAULT_HOST = "127.0.0.1"
 
 
-def _collector(registry: CollectorRegistry) -> tuple[NvmlCollector, str]:
-    """The NVML collector on ``registry`` and what it found at start (so an absent NVML is logged now, once)."""
-    collector = NvmlCollector()
+def _collector(registry: CollectorRegistry, practice: Path | None = None) -> tuple[NvmlCollector, str]:
+    """The NVML collector on ``registry`` and what it found at start (so an absent NVML is logged now, once);
+    with ``practice``, on the stand-in GPUs of that state file instead of NVML."""
+    collector = NvmlCollector(PracticeGpus(practice) if practice is not None else None)
     registry.register(collector)
     snap = collector.reader.read()
     return collector, (f"{len(snap.gpus)} GPU(s)" if snap.up else "unavailable (stepwatch_nvml_up 0)")
@@ -88,7 +91,7 @@ def serve(cfg: SidecarConfig, thresholds: Thresholds, host: str, port: int,
           stop: threading.Event | None = None) -> int:
     """Serve /metrics and probe until SIGTERM/SIGINT (or ``stop``); 1 when the port cannot be bound."""
     registry = CollectorRegistry()
-    collector, nvml_state = _collector(registry) if cfg.nvml else (None, "off")
+    collector, nvml_state = _collector(registry, cfg.practice_gpus) if cfg.nvml else (None, "off")
     prober = _prober(cfg, registry, thresholds) if cfg.prober else None
     try:
         server, _ = serve_metrics(port, host, registry)
