@@ -7,8 +7,13 @@ clock) also runs its own side of each transfer slowly, so its waits grow with it
 looks normal.  What does name it is *when each rank arrives* at each collective.
 
 So each rank stamps, with the shared wall clock, its arrival at and its departure from every
-collective of diffusers' context-parallel attention (``attention_dispatch._wait_tensor``): two
-clock reads and one append per collective, nothing else on the hot path.  A background thread on
+collective of diffusers' context parallelism: the attention's (``attention_dispatch._wait_tensor``),
+the output's all-gather at the end of each transformer call (``EquipartitionSharder.unshard``), and
+any the host marks with ``RankReporter.stamp`` (the practice service: its cache's agreement
+all-reduce, rank 0's broadcast of each request).  Two clock reads and one append per collective,
+nothing else on the hot path.  A collective left unstamped is invisible to the stall signals: a rank
+waiting in it looks like a rank stuck in its own code (the two-rank stall drill in CI named a hung
+worker twice, rank 0 waiting for a frozen rank 1 in one of these while its stamped wait read 0).  A background thread on
 each rank ships its new stamps every ``interval`` seconds to rank 0 through the process group's
 key-value store (``queue_push``: no collective, so no rank ever waits for the instrumentation, and
 a stuck rank cannot stop the others from publishing).  Rank 0 aligns the collectives (the k-th of
@@ -58,6 +63,9 @@ from typing import Any, Protocol
 log = logging.getLogger("stepwatch.exporter.ranks")
 
 _TARGET = ("diffusers.models.attention_dispatch", "_wait_tensor")
+# The other collective of every transformer call: the output's all-gather (funcol, waited on lazily when the
+# tensor is used, so not through _wait_tensor).  Stamped by waiting for it through the stamped wait.
+_GATHER = ("diffusers.hooks.context_parallel", "EquipartitionSharder", "unshard")
 INTERVAL_S = 1.0
 STALE_REQUEST_S = 120.0  # a request no rank has shipped anything of for this long is dropped from alignment
 STALE_HEARTBEAT_S = 5 * INTERVAL_S  # a rank silent this long is not shipping: frozen or stuck
@@ -359,14 +367,15 @@ class Aligner:
 
         A rank waiting in a collective keeps shipping heartbeats (the wait releases the GIL), so a silent
         rank is not known to wait: frozen inside a wait, it must not look like the rank waiting for it.
-        A silent rank while another runs a request counts from its last heartbeat even if that said idle:
-        it should be in the request too."""
+        A silent rank while another runs a request, or waits in a collective (rank 0 sending the next
+        request), counts from its last heartbeat even if that said idle: it should be there too."""
         hb = self.heartbeats.get(rank)
         if hb is None:
             return 0.0, 0.0
         now = self.clock()
         silent = now - hb.sent > STALE_HEARTBEAT_S
-        others_busy = any(h.inflight for r, h in self.heartbeats.items() if r != rank)
+        others_busy = any(h.inflight or (h.in_since is not None and now - h.sent <= STALE_HEARTBEAT_S)
+                          for r, h in self.heartbeats.items() if r != rank)
         if hb.inflight:
             age = now - hb.progress
         elif others_busy and silent:
@@ -451,6 +460,7 @@ class RankReporter:
         self.aligner = Aligner(self.world, clock) if self.rank == 0 else None
         self.metrics: Any = None
         self._orig: Callable[..., Any] | None = None
+        self._orig_gather: tuple[Any, Any] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._failed = False
@@ -475,6 +485,22 @@ class RankReporter:
         stamped_wait._stepwatch_rank_reporter = self  # type: ignore[attr-defined]
         self._orig = current
         setattr(mod, _TARGET[1], stamped_wait)
+        self._install_gather(stamped_wait)
+
+    def _install_gather(self, stamped_wait: Callable[..., Any]) -> None:
+        try:
+            sharder = getattr(importlib.import_module(_GATHER[0]), _GATHER[1])
+        except (ImportError, AttributeError):  # another diffusers: the attention waits are stamped all the same
+            log.info("no %s.%s in this diffusers: the output all-gather is not stamped", *_GATHER[:2])
+            return
+        orig = sharder.__dict__[_GATHER[2]]
+        unshard = orig.__func__
+
+        def stamped_unshard(cls: Any, tensor: Any, dim: int, mesh: Any) -> Any:
+            return stamped_wait(unshard(cls, tensor, dim, mesh))
+
+        self._orig_gather = (sharder, orig)
+        setattr(sharder, _GATHER[2], classmethod(stamped_unshard))
 
     def uninstall(self) -> None:
         if self._orig is None:
@@ -482,6 +508,10 @@ class RankReporter:
         mod = importlib.import_module(_TARGET[0])
         setattr(mod, _TARGET[1], self._orig)
         self._orig = None
+        if self._orig_gather is not None:
+            sharder, orig = self._orig_gather
+            setattr(sharder, _GATHER[2], orig)
+            self._orig_gather = None
 
     def close(self) -> None:
         self._stop.set()

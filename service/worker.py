@@ -101,6 +101,10 @@ class Budget:
             callback_handler.register_end_callback(self.rearm)
 
 
+def _broadcast_box(box: list[Any]) -> None:
+    dist.broadcast_object_list(box, src=0)
+
+
 class Worker:
     def __init__(self, cfg: dict[str, Any], conn: Connection | None, rank: int = 0, world: int = 1) -> None:
         self.cfg = parse(cfg)
@@ -350,9 +354,14 @@ class Worker:
 
     # ----- loop -----------------------------------------------------------------------------
     def _broadcast(self, msg: ToWorker | None) -> ToWorker:
-        """Rank 0 sends the message to the other ranks; they receive it (one small collective)."""
+        """Rank 0 sends the message to the other ranks; they receive it (one small collective).
+
+        Rank 0's send is stamped as a collective: a follower frozen between requests leaves it waiting here,
+        which the stall signals must see as a wait for that rank.  The followers' receive is not: they wait
+        in it whenever the service is idle, which is no wait for anyone."""
         box: list[Any] = [msg]
-        dist.broadcast_object_list(box, src=0)
+        send = self._stamp if self.rank == 0 else None
+        (send(_broadcast_box) if send is not None else _broadcast_box)(box)
         return box[0] or {"op": "shutdown"}
 
     def serve_follower(self) -> None:

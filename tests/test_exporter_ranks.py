@@ -227,6 +227,53 @@ def test_a_silent_rank_counts_from_its_last_heartbeat_once_the_others_run_a_requ
     assert value(registry, "stepwatch_rank_progress_age_seconds", rank="0") == pytest.approx(20)
 
 
+def test_a_rank_frozen_between_requests_counts_while_rank_0_waits_to_send_it_the_next() -> None:
+    """Rank 0 broadcasts each request to the others before it begins it; a follower frozen while idle leaves it
+    waiting in that send (stamped by the worker), not in a request: the frozen rank still counts from its last
+    heartbeat, so the stall reads as a collective hang (two-rank stall drill in CI: it read as a hung worker)."""
+    clock = Clock()
+    r0, r1, _ch, registry = two_ranks(clock)
+    r1.tick()  # idle, then frozen
+    clock.t += 1
+    seen: list[tuple[float, float]] = []
+
+    def send(box: list[object]) -> None:
+        for _ in range(20):
+            clock.t += 1
+            r0.tick()
+        seen.append((value(registry, "stepwatch_rank_collective_wait_seconds", rank="0"),
+                     value(registry, "stepwatch_rank_progress_age_seconds", rank="1")))
+
+    r0.stamp(send)([{"op": "generate"}])
+    assert seen == [(pytest.approx(20), pytest.approx(21))]
+    assert value(registry, "stepwatch_rank_progress_age_seconds", rank="0") == 0  # not in a request
+
+
+def test_the_output_all_gather_of_a_transformer_call_is_stamped_and_uninstall_restores_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The context-parallel output gather is waited on lazily, outside _wait_tensor: a rank waiting in it looked
+    like a rank stuck in its own code.  Installed, each gather adds one (arrival, departure) stamp."""
+    import torch
+    from diffusers.hooks import context_parallel
+
+    class Mesh:
+        def get_group(self) -> None:
+            return None
+
+    monkeypatch.setattr(context_parallel.AllGatherFunction, "apply", staticmethod(lambda t, dim, group: t * 2))
+    before = context_parallel.EquipartitionSharder.__dict__["unshard"]
+    rep = RankReporter(interval=None, rank=0, world=1)
+    try:
+        rep.begin_request()
+        out = context_parallel.EquipartitionSharder.unshard(torch.ones(2), 0, Mesh())
+        assert out.tolist() == [2.0, 2.0] and len(rep.timeline.marks) == 1
+    finally:
+        rep.close()
+    assert context_parallel.EquipartitionSharder.__dict__["unshard"] is before
+    context_parallel.EquipartitionSharder.unshard(torch.ones(2), 0, Mesh())
+    assert len(rep.timeline.marks) == 1  # uninstalled: the gather is diffusers' own again, no stamp
+
+
 def test_a_lost_chunk_drops_that_request_and_nothing_else() -> None:
     clock = Clock()
     r0, r1, ch, registry = two_ranks(clock)
