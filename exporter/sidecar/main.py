@@ -29,13 +29,15 @@ from stepwatch.exposition import serve_metrics
 log = logging.getLogger("stepwatch.sidecar")
 
 DEFAULT_PORT = 9465
+PRACTICE_RETRY_S = 1.0  # stand-in GPUs appear when a drill writes their file: look again every second
 DEFAULT_HOST = "127.0.0.1"
 
 
 def _collector(registry: CollectorRegistry, practice: Path | None = None) -> tuple[NvmlCollector, str]:
     """The NVML collector on ``registry`` and what it found at start (so an absent NVML is logged now, once);
     with ``practice``, on the stand-in GPUs of that state file instead of NVML."""
-    collector = NvmlCollector(PracticeGpus(practice) if practice is not None else None)
+    collector = (NvmlCollector(PracticeGpus(practice), retry_init_s=PRACTICE_RETRY_S) if practice is not None
+                 else NvmlCollector())
     registry.register(collector)
     snap = collector.reader.read()
     return collector, (f"{len(snap.gpus)} GPU(s)" if snap.up else "unavailable (stepwatch_nvml_up 0)")

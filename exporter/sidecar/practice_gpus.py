@@ -3,8 +3,9 @@
 The practice service runs on CPUs, so NVML has nothing to report and every GPU check of the
 runbooks answers "no data".  A drill that means "rank 1's GPU throttles" needs NVML to say so,
 the way a real driver does: this provider reads its devices from a file the drill writes
-(``stepwatch sidecar --practice-gpus FILE``), on every scrape.  No file, or an empty one, is no
-GPU at all (the sidecar then exports what it exports on a CPU host).  It is the one fake of the
+(``stepwatch sidecar --practice-gpus FILE``), on every scrape.  No file is no NVML at all (the
+sidecar then exports what it exports on a CPU host, ``stepwatch_nvml_up 0``, and looks for the file
+again every second); a file with ``count: 0`` is NVML with no GPU.  It is the one fake of the
 sidecar's GPU side, behind the same interface as pynvml; it is never used unless named.
 
     {"count": 2, "throttle": {"1": ["sw_thermal_slowdown"]}, "sm_clock_mhz": {"1": 1110}}
@@ -76,6 +77,8 @@ class PracticeGpus:
             raise PracticeGpuError(f"{self.path}: not JSON ({e})") from None
 
     def init(self) -> None:
+        if not self.path.exists():
+            raise PracticeGpuError(f"{self.path}: no stand-in GPUs yet (no state file)")
         self._state()
 
     def shutdown(self) -> None:
