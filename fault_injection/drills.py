@@ -107,6 +107,9 @@ class Drill:
 
     name = ""
     doc_id = ""  # the id of the drill block in runbooks/drills.md
+    # True where the injection call returns once the fault is in place (a knob that re-warms first): detection
+    # counts from then.  False where the injection is the fault itself (its own requests): from its start.
+    in_place_when_injected = False
     companions: tuple[str, ...] = ()  # thresholds keys of alerts that may fire with it
     silent: tuple[str, ...] = ()  # thresholds keys that must NOT fire
     needs_ranks = 1
@@ -675,8 +678,8 @@ class Runner:
         self.progress(f"[{drill.name}] injecting the fault")
         try:
             _attempt(r, "injection", lambda: drill.inject(st, r))
-            r.injected_at = time.time()
-            r.injection_s = r.injected_at - started
+            r.injected_at = time.time() if drill.in_place_when_injected else started
+            r.injection_s = time.time() - started
             if r.injection_s >= 1.0:
                 self.progress(f"[{drill.name}] fault in place after {r.injection_s:.1f}s")
             deadline = r.injected_at + self.criteria.detect_deadline_s

@@ -46,6 +46,8 @@ from stepwatch.fault_injection.stack import LocalStack
 class KnobFault(Drill):
     """A fault that is one knob change (the drill block's ``inject.knobs``), restored to the previous value."""
 
+    in_place_when_injected = True  # the knob call answers once the service serves with it (after a re-warm)
+
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         r.details["serving_knobs"] = stack.info()["knobs"]
         r.details["step_seconds_before"] = _mean_step(stack, self.th)
