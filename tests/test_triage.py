@@ -122,7 +122,7 @@ def test_straggler_alerts_share_one_incident_with_evidence() -> None:
     assert skew_diag.path == ["throttled", "clock_low", "still_slow"]
     assert [c.id for c in skew_diag.no_data()] == ["throttled", "clock_low"]
     step_diag = next(d for d in inc.diagnoses if d.alert.name == "StepwatchStepTimeRegression")
-    assert step_diag.path == ["rank_skew"] and step_diag.cause == "straggler_rank"
+    assert step_diag.path == ["gpu_throttle", "rank_skew"] and step_diag.cause == "straggler_rank"
     assert "Straggler" in step_diag.next_step()
     assert inc.to_json()["runbook_url"].endswith("rank-skew.md#stepwatchrankskew")
     assert inc.to_json()["panel"] == TH.alert("rank_skew").panel
@@ -361,7 +361,8 @@ def test_probe_timeouts_with_a_healthy_worker_are_still_the_queue() -> None:
     report = triage([_probe()], StubProm(_probe_world(0.08, timeouts=4.0)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert d.cause == "queue_backlog" and d.explained_by is None
-    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "rewarmed", "timeouts"]
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "rewarmed", "serving_compiles",
+                      "timeouts"]
     assert "explained by" not in render.terminal(report)
 
 
@@ -371,7 +372,8 @@ def test_probe_failures_with_nothing_else_wrong_end_as_before(stall: float | Non
     report = triage([_probe("bad_response")], StubProm(_probe_world(stall)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert d.cause is None and d.flow_end == "end" and d.explained_by is None
-    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "rewarmed", "timeouts"]
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "rewarmed", "serving_compiles",
+                      "timeouts"]
     assert "escalate" in d.next_step() and "sidecar log" in d.next_step()
 
 

@@ -100,7 +100,8 @@ def test_a_straggler_behind_the_step_time_alert(replays: dict[str, Replay]) -> N
     inc = report.incident_for("StepwatchStepTimeRegression")
     assert inc is not None and inc.cause == "straggler_rank"
     step = next(d for d in inc.diagnoses if d.alert.name == "StepwatchStepTimeRegression")
-    assert step.path == ["rank_skew"] and step.checks[0].values[0][1] > 0.1
+    skew = next(c for c in step.checks if c.id == "rank_skew")
+    assert step.path == ["gpu_throttle", "rank_skew"] and skew.values[0][1] > 0.1
 
 
 def test_queue_overload_under_provisioned_and_probe_failures_follow(replays: dict[str, Replay]) -> None:
@@ -488,7 +489,8 @@ def test_probe_failing_with_a_healthy_worker_is_unchanged(probe_world: Replay, k
     report = triage([_probe(HOSTS[kind], reason)], probe_world.prom, at=RESTART + 30)
     d = report.incidents[0].primary
     assert d.cause == cause and d.explained_by is None
-    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "rewarmed", "timeouts"]
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "rewarmed", "serving_compiles",
+                      "timeouts"]
     assert [c.outcome for c in d.checks[2:3]] == ["healthy"] and d.checks[2].values[0][1] < 1  # real data
 
 
