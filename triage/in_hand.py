@@ -14,19 +14,14 @@ behind serving recompiles named a queue backlog.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from stepwatch.alerts.thresholds import kebab
 from stepwatch.triage.record import SCENARIO_FILE, load_scenario
-
-
-def kebab(alert: str) -> str:
-    """StepwatchOutOfMemory -> out-of-memory (the runbook's file name)."""
-    return re.sub(r"(?<!^)([A-Z])", r"-\1", alert.removeprefix("Stepwatch")).lower()
 
 
 def firing_names(scenario: Mapping[str, Any]) -> set[str]:
@@ -45,7 +40,7 @@ def write_in_hand(drill_scenario: Path, also: Mapping[str, str]) -> tuple[list[P
         if alert not in firing:
             absent.append(alert)
             continue
-        name = f"{drill_scenario.name}-as-{kebab(alert)}"
+        name = f"{drill_scenario.name}-as-{kebab(alert.removeprefix('Stepwatch'))}"
         data: dict[str, Any] = {k: v for k, v in sc.items() if k not in ("samples", "name", "live")}
         data.update({
             "name": name, "expected_alert": alert, "expected_cause": cause, "kind": "drill",

@@ -65,16 +65,22 @@ class PracticeGpus:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._cached: tuple[int, dict[str, Any]] | None = None  # (mtime_ns, state): read once per change
 
     def _state(self) -> dict[str, Any]:
         try:
-            text = self.path.read_text()
+            mtime = self.path.stat().st_mtime_ns
         except FileNotFoundError:
             return parse_state(None, str(self.path))
+        if self._cached is not None and self._cached[0] == mtime:
+            return self._cached[1]
+        text = self.path.read_text()
         try:
-            return parse_state(json.loads(text) if text.strip() else None, str(self.path))
+            state = parse_state(json.loads(text) if text.strip() else None, str(self.path))
         except json.JSONDecodeError as e:
             raise PracticeGpuError(f"{self.path}: not JSON ({e})") from None
+        self._cached = (mtime, state)
+        return state
 
     def init(self) -> None:
         if not self.path.exists():
