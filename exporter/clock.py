@@ -17,6 +17,9 @@ class Clock(Protocol):
 
     def seconds(self, a: Any, b: Any) -> float: ...
 
+    def offsets(self, start: Any, marks: list[Any]) -> list[float]:
+        """``seconds(start, m)`` for every mark: a request's step ends, resolved in one call."""
+
     def ready(self, m: Any) -> bool: ...
 
     def wait(self, m: Any) -> None:
@@ -29,6 +32,9 @@ class HostClock:
 
     def seconds(self, a: float, b: float) -> float:
         return b - a
+
+    def offsets(self, start: float, marks: list[float]) -> list[float]:
+        return [m - start for m in marks]
 
     def ready(self, m: float) -> bool:
         return True
@@ -50,6 +56,10 @@ class CudaClock:
 
     def seconds(self, a: Any, b: Any) -> float:
         return float(a.elapsed_time(b)) / 1000.0
+
+    def offsets(self, start: Any, marks: list[Any]) -> list[float]:
+        elapsed = start.elapsed_time
+        return [float(elapsed(m)) / 1000.0 for m in marks]
 
     def ready(self, m: Any) -> bool:
         return bool(m.query())

@@ -62,7 +62,7 @@ def set_timesteps(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[...
 
 
 def step(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """After scheduler.step: the step's mark and, with a cache active, the cache's state; nothing else.
+    """After scheduler.step: the step's mark or, with a cache active, (mark, the cache's state); nothing else.
     Branch counts and decisions are derived from the log at request end (``request.replay``)."""
     local = inst._local
     clock = inst.clock  # its ``mark`` is looked up per call: gpu-check replaces it on the instance
@@ -72,11 +72,8 @@ def step(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
         req = getattr(local, "req", None)
         if req is not None:
             try:
-                add = req.add
-                add(clock.mark())
                 take = req.take
-                if take is not None:
-                    add(take())
+                req.add(clock.mark() if take is None else (clock.mark(), take()))
             except Exception as e:
                 inst._guard.fail(patches.STEP, e)
         return out

@@ -161,7 +161,8 @@ class Instrumentation:
             options.rank_reporter.bind(self.metrics)
         self._setup_static()
         self._resolve_ctx = ResolveContext(
-            seconds=self.clock.seconds, labeler=self.labeler, device=self.memory.device, peak_flops=self.peak_flops,
+            seconds=self.clock.seconds, offsets=getattr(self.clock, "offsets", None), labeler=self.labeler,
+            device=self.memory.device, peak_flops=self.peak_flops,
             step_flops=StepFlops(self._ledger, pipe) if self._ledger is not None else None)
 
     # ----- set-up ---------------------------------------------------------------------------
@@ -398,7 +399,9 @@ class Instrumentation:
             return
         report = self.last_report = r.report
         self._guarded("emit.metrics", self.publisher.publish, report)
-        self._guarded("emit.spans", spans.emit, self._tracer, report, req.parent_ctx, r.stage_bounds, r.step_bounds)
+        if self._tracer is not None:  # the step bounds are built only for spans
+            self._guarded("emit.spans", spans.emit, self._tracer, report, req.parent_ctx, r.stage_bounds,
+                          r.step_bounds)
         if self.options.rank_reporter is not None:
             self._guarded("ranks", self.options.rank_reporter.report, report, req.rank_request)
         if self.options.on_report is not None:

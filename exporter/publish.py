@@ -30,8 +30,9 @@ def observe_all(hist: Any, amounts: Sequence[float]) -> None:
     bounds = getattr(hist, "_upper_bounds", None)
     buckets = getattr(hist, "_buckets", None)
     total = getattr(hist, "_sum", None)
+    amount_sum = sum(amounts)
     if (bounds is None or buckets is None or total is None or len(bounds) != len(buckets) or len(amounts) < 2
-            or any(a != a for a in amounts)):  # NaN lands in no bucket: observe() knows how
+            or amount_sum != amount_sum):  # a NaN among them (it lands in no bucket): observe() knows how
         for a in amounts:
             hist.observe(a)
         return
@@ -48,7 +49,7 @@ def observe_all(hist: Any, amounts: Sequence[float]) -> None:
             below = upto
             if upto == len(ordered):
                 break
-    total.inc(sum(amounts))
+    total.inc(amount_sum)
 
 
 class ShapeChildren:
@@ -133,14 +134,15 @@ class Publisher:
 
     def _cache(self, r: RequestReport, cache: str, c: ShapeChildren) -> None:
         m = self.metrics
-        hits = sum(1 for _s, _b, h in r.cache_decisions if h)  # one pass: this scales with the steps
+        steps = r.shape.steps if r.shape else max(1, len(r.step_seconds))
+        positions = [step / steps for step, _branch, hit in r.cache_decisions if hit]  # one pass over the steps
+        hits = len(positions)
         misses = len(r.cache_decisions) - hits
         if hits:
             m.cache_decisions_total.labels(shape=r.shape_label, cache=cache, decision="hit").inc(hits)
         if misses:
             m.cache_decisions_total.labels(shape=r.shape_label, cache=cache, decision="miss").inc(misses)
-        steps = r.shape.steps if r.shape else max(1, len(r.step_seconds))
-        observe_all(self.position, [step / steps for step, _branch, hit in r.cache_decisions if hit])
+        observe_all(self.position, positions)
 
     def _memory(self, r: RequestReport) -> None:
         peaks = self._peaks

@@ -10,6 +10,7 @@ numbers.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +29,10 @@ Bounds = tuple[float, float]  # seconds from the request start
 class RequestMarks:
     """What the hooks record for one request in flight (marks are the clock's: floats or CUDA events).
 
-    The per-step hooks write one flat, preallocated log through the bound ``add``: a branch name (str) per
-    transformer call, the clock mark per scheduler.step and, with a cache active, the cache's raw state
-    right after the mark (a dict).  ``replay`` turns it into step marks, branch counts and decisions at
-    request end, so a step costs two appends and a state copy.  ``step_marks``/``decisions``/``max_branches``
+    The per-step hooks write one flat log through the bound ``add``: a branch name (str) per transformer
+    call, and per scheduler.step its clock mark or, with a cache active, (mark, the cache's raw state) in one
+    tuple.  ``replay`` turns it into step marks, branch counts and decisions at request end, so a step costs
+    one append (and a state copy) besides one per branch.  ``step_marks``/``decisions``/``max_branches``
     hold marks recorded directly (tests, other recorders) and are merged with the log.  ``batch_cfg`` is read
     once when the request ends (``batch_cfg()``), for CFG run as one call on a doubled batch.
     """
@@ -92,40 +93,48 @@ class Replayed:
 
 
 def replay(req: RequestMarks) -> Replayed:
-    """Walk the hot path's log once: names count branches per step, a mark closes a step, a snapshot
-    decides the branches of the step it follows (the step index is the number of steps before them)."""
+    """Walk the hot path's log once: names count branches per step; a mark, or a (mark, cache state) pair,
+    closes a step and the state decides the branches logged since the step before; a state alone (the tail
+    snapshot) decides the branches after the last step.  This loop runs over every event of the request,
+    so it is written for speed: class checks, bound appends, a step counter instead of len()."""
     marks = list(req.step_marks)
     branches = req.max_branches
     decisions = list(req.decisions)
     decide = getattr(req.cache[1], "decide", None) if req.cache is not None else None
-    # FirstBlockCache / MagCache: a hit is a branch that did not compute, decided inline (this loop runs
-    # over every step of the request).
-    negate = decide is caches.Reader.decide
-    decided = decisions.append
+    negate = decide is caches.Reader.decide  # FirstBlockCache / MagCache: a hit is a branch that did not compute
+    decided, mark = decisions.append, marks.append
+    step = len(marks)
     group: list[str] = []
-    last: list[str] = []
     for x in req.log:
-        kind = type(x)
-        if kind is str:
+        cls = x.__class__
+        if cls is str:
             group.append(x)
-        elif kind is dict:
-            if decide is None:
-                continue
-            names, step = (group, len(marks)) if group else (last, len(marks) - 1)
-            for name in names:
-                raw = x.get(name)
+            continue
+        if cls is tuple:
+            x, state = x
+        elif cls is dict:
+            x, state = None, x
+        else:
+            state = None
+        if state is not None and decide is not None:
+            for name in group:
+                raw = state.get(name)
                 if raw is None:
-                    raw = caches.branch_raw(x, name)
+                    raw = caches.branch_raw(state, name)
                     if raw is None:
                         continue
-                hit = (not raw) if negate else decide(raw)
+                if negate:
+                    decided((step, name, not raw))
+                    continue
+                hit = decide(raw)
                 if hit is not None:
                     decided((step, name, hit))
-        else:
-            marks.append(x)
+        if x is not None:
+            mark(x)
+            step += 1
             if len(group) > branches:
                 branches = len(group)
-            last, group = group, []
+            group = []
     return Replayed(marks, branches, decisions)
 
 
@@ -135,7 +144,12 @@ class Resolved:
 
     report: RequestReport
     stage_bounds: dict[str, Bounds]
-    step_bounds: list[Bounds]
+    step_edges: list[float]  # denoising's start, then each step's end (seconds from the request start)
+
+    @property
+    def step_bounds(self) -> list[Bounds]:
+        """Each step's (start, end): built only when spans are drawn."""
+        return list(itertools.pairwise(self.step_edges))
 
 
 @dataclass
@@ -147,6 +161,7 @@ class ResolveContext:
     device: str
     peak_flops: float | None = None
     step_flops: Callable[[RequestMarks, int], float | None] | None = None
+    offsets: Callable[[Any, list[Any]], list[float]] | None = None  # the clock's, else seconds() per mark
 
 
 def _spans(req: RequestMarks, ctx: ResolveContext, spans: list[tuple[Any, Any]]) -> tuple[float, Bounds]:
@@ -156,25 +171,28 @@ def _spans(req: RequestMarks, ctx: ResolveContext, spans: list[tuple[Any, Any]])
 
 
 def _timings(req: RequestMarks, ctx: ResolveContext,
-             step_marks: list[Any]) -> tuple[dict[str, float], dict[str, Bounds], list[Bounds]]:
-    """Stage seconds, stage bounds and step bounds.  A step runs from the previous step's end (the first
-    from the end of set_timesteps) to its scheduler.step return, so it covers all CFG branches."""
+             step_marks: list[Any]) -> tuple[dict[str, float], dict[str, Bounds], list[float], list[float]]:
+    """Stage seconds, stage bounds, the step edges (denoising's start, then each step's end, in seconds from
+    the request start) and the step times.  A
+    step runs from the previous step's end (the first from the end of set_timesteps) to its scheduler.step
+    return, so it covers all CFG branches."""
     stages: dict[str, float] = {}
     bounds: dict[str, Bounds] = {}
     if req.te_spans:
         stages["text_encode"], bounds["text_encode"] = _spans(req, ctx, req.te_spans)
-    steps: list[Bounds] = []
+    edges: list[float] = []
+    step_seconds: list[float] = []
     if req.denoise_start is not None and step_marks:
-        prev = ctx.seconds(req.start, req.denoise_start)
-        for m in step_marks:
-            t = ctx.seconds(req.start, m)
-            steps.append((prev, t))
-            prev = t
-        stages["denoise"] = steps[-1][1] - steps[0][0]
-        bounds["denoise"] = (steps[0][0], steps[-1][1])
+        first = ctx.seconds(req.start, req.denoise_start)
+        ends = (ctx.offsets(req.start, step_marks) if ctx.offsets is not None
+                else [ctx.seconds(req.start, m) for m in step_marks])
+        edges = [first, *ends]
+        step_seconds = [b - a for a, b in itertools.pairwise(edges)]
+        stages["denoise"] = ends[-1] - first
+        bounds["denoise"] = (first, ends[-1])
     if req.vae_spans:
         stages["vae_decode"], bounds["vae_decode"] = _spans(req, ctx, req.vae_spans)
-    return stages, bounds, steps
+    return stages, bounds, edges, step_seconds
 
 
 def _peaks(req: RequestMarks) -> tuple[dict[str, int], str | None]:
@@ -228,8 +246,7 @@ def batch_cfg(pipe: Any) -> bool | None:
 def resolve(req: RequestMarks, phase: str, ctx: ResolveContext) -> Resolved:
     """The report of one finished request whose marks are all ready."""
     log = replay(req)
-    stages, stage_bounds, step_bounds = _timings(req, ctx, log.step_marks)
-    step_seconds = [b - a for a, b in step_bounds]
+    stages, stage_bounds, step_edges, step_seconds = _timings(req, ctx, log.step_marks)
     branches = branch_count(log.max_branches, req.batch_cfg, req.cfg_hint)
     cfg = branches > 1
     steps = req.planned_steps or req.steps_hint or len(step_seconds)
@@ -260,7 +277,7 @@ def resolve(req: RequestMarks, phase: str, ctx: ResolveContext) -> Resolved:
         error=req.error,
         start_unix=req.start_unix,
     )
-    return Resolved(report, stage_bounds, step_bounds)
+    return Resolved(report, stage_bounds, step_edges)
 
 
 class StepFlops:

@@ -190,10 +190,10 @@ class _TaylorLike:
 def test_replay_attributes_each_branch_decision_to_its_step() -> None:
     from stepwatch.exporter.request import replay
 
-    log: list[Any] = ["cond", "uncond", 1.0, {"cond": True, "uncond": True},     # step 0: both computed
-                      "cond", "uncond", 2.0, {"cond": False, "uncond": True},    # step 1: cond reused
-                      "cond", "uncond", 3.0, {"cond": False, "uncond": False},   # step 2: both reused
-                      "cond", {"cond": True}]                                    # a trailing branch, no step call
+    log: list[Any] = ["cond", "uncond", (1.0, {"cond": True, "uncond": True}),     # step 0: both computed
+                      "cond", "uncond", (2.0, {"cond": False, "uncond": True}),    # step 1: cond reused
+                      "cond", "uncond", (3.0, {"cond": False, "uncond": False}),   # step 2: both reused
+                      "cond", {"cond": True}]                                      # a trailing branch, no step call
     req = _marks(cache=("first_block_cache", _FbcLike()))
     req.log.extend(log)
     r = replay(req)
@@ -206,7 +206,7 @@ def test_replay_reads_taylorseer_state_and_skips_branches_without_a_decision() -
     from stepwatch.exporter.request import replay
 
     req = _marks(cache=("taylorseer_cache", _TaylorLike()))
-    req.log.extend(["cond", 1.0, {"cond": (0, 0)}, "cond", 2.0, {"cond": (1, 0)}, "cond", 3.0, {"cond": (-1, 0)}])
+    req.log.extend(["cond", (1.0, {"cond": (0, 0)}), "cond", (2.0, {"cond": (1, 0)}), "cond", (3.0, {"cond": (-1, 0)})])
     assert replay(req).decisions == [(0, "cond", False), (1, "cond", True)]
 
 
