@@ -430,10 +430,19 @@ class _Phase:
     def __enter__(self) -> Instrumentation:
         self._prev = self._inst.phase
         self._inst.phase = self._phase
+        self._show()
         return self._inst
 
     def __exit__(self, *exc: Any) -> None:
         self._inst.phase = self._prev
+        self._show()
+
+    def _show(self) -> None:
+        """``stepwatch_pipeline_warmup_active`` follows the phase: what waits behind a re-warm is visible."""
+        try:
+            self._inst.metrics.pipeline_warmup_active.set(int(self._inst.phase == "warmup"))
+        except Exception as e:
+            self._inst._guard.fail("warmup", e)
 
 
 class _Resolver:

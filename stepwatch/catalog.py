@@ -68,6 +68,9 @@ METRICS: tuple[MetricDef, ...] = (
        "Time per stage: text_encode, denoise, vae_decode.", ("shape", "stage")),
     _m("stepwatch_pipeline_step_duration_seconds", "summary",
        "Time of one denoising step, all CFG branches together.", ("shape",)),
+    _m("stepwatch_pipeline_warmup_active", "gauge",
+       "1 while the pipeline runs inside the exporter's warmup() (the start-up warm-up, or a re-warm after a "
+       "knob changed the compiled forward): requests wait behind it.", ()),
     _m("stepwatch_pipeline_cfg_branches", "gauge",
        "CFG branches per step in the last request of the shape: 2 with CFG, as separate transformer calls or "
        "one call on a doubled batch.", ("shape",)),
