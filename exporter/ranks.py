@@ -52,13 +52,14 @@ import importlib
 import inspect
 import json
 import logging
-import os
 import threading
 import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from stepwatch.exporter.cpu import runqueue_wait_seconds
 
 log = logging.getLogger("stepwatch.exporter.ranks")
 
@@ -162,26 +163,6 @@ class Chunk:
 
 def _float_or_none(v: Any) -> float | None:
     return None if v is None else float(v)
-
-
-def runqueue_wait_seconds() -> float | None:
-    """Seconds this process's threads have spent runnable but waiting for a CPU (Linux schedstat), or None.
-
-    Thread-seconds, summed over the process's threads: two threads waiting one second count two.
-
-    A rank starved of CPU (another process on its CPUs, a throttled host) runs its side of every transfer
-    late: the ranks then arrive together and wait together, and only this shows who held them up."""
-    total = 0
-    try:
-        for task in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{task}/schedstat") as f:
-                    total += int(f.read().split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # a thread that just ended
-    except OSError:
-        return None
-    return total / 1e9
 
 
 class Shipper:

@@ -215,12 +215,14 @@ class OffMenuResolution(Drill):
         codes: list[int] = []
         sizes = list(self.spec.traffic.get("sizes", []))
         per = int(self.spec.traffic.get("requests_per_size", 1))
+        spacing = parse_duration(str(self.spec.traffic.get("spacing", "0s")))
 
         def batch() -> None:
-            for size in sizes:
-                for i in range(per):
-                    st, _, _ = stack.generate(size=size, seed=i)
-                    codes.append(st)
+            for n, size in enumerate(s for s in sizes for _ in range(per)):
+                if n and spacing:
+                    time.sleep(spacing)  # off-menu requests arrive among the others, not as one block
+                st, _, _ = stack.generate(size=size, seed=n % per)
+                codes.append(st)
 
         t = threading.Thread(target=batch, daemon=True)
         t.start()

@@ -8,7 +8,7 @@ and lists it in :func:`drill_queries`.
 
 from __future__ import annotations
 
-from stepwatch.alerts.promql import agg, cache_hit_ratio, mean_step_time, quantile, sel
+from stepwatch.alerts.promql import agg, cache_hit_ratio, mean_step_time, quantile, sel, sum_rate
 
 REQUEST_SECONDS_BUCKET = "stepwatch_service_request_duration_seconds_bucket"
 LATENCY_QUANTILES = {"p50": 0.5, "p99": 0.99}  # the off-menu drill: p99 rises while p50 stays flat
@@ -66,13 +66,18 @@ def rank_busy_ratio(window: str) -> str:
     return sel(f"instance_rank:stepwatch_rank_busy_seconds:ratio_to_fastest_rate{window}")
 
 
+def pipeline_cpu_wait(window: str) -> str:
+    """Thread-seconds per second the pipeline's process waited for a CPU (the CPU-contention drill)."""
+    return sum_rate("stepwatch_pipeline_cpu_wait_seconds_total", window)
+
+
 def drill_queries(window: str) -> dict[str, str]:
     """Every query the drills and the baseline calibration run, by name, for one rate window."""
     out = {"mean_step": mean_step(window), "step_by_shape": step_by_shape(window),
            "hit_ratio_by_shape": hit_ratio_by_shape(window), "psnr_p10": psnr_p10(),
            "quality_gate": quality_gate(), "estimated_wait": estimated_wait(),
            "service_requests": service_requests(), "rank_stuck": rank_stuck_outside_collectives(),
-           "rank_busy_ratio": rank_busy_ratio(window)}
+           "rank_busy_ratio": rank_busy_ratio(window), "pipeline_cpu_wait": pipeline_cpu_wait(window)}
     for name, q in LATENCY_QUANTILES.items():
         out[f"request_{name}"] = request_quantile(q, window)
     return out

@@ -13,10 +13,12 @@ mechanism, so only the runbook's checks can tell the cases apart (runbooks/drill
 - serving recompiles: warmed shapes compiling again after the compiled-graph cache was
   dropped (`compile-cache-dropped`);
 - memory: a request too large even with VAE tiling on (`shape-too-large`);
-- errors: the worker process killed (`worker-killed`);
+- errors: the worker process killed (`worker-killed`), the pipeline raising non-OOM errors after a
+  deploy forced an attention kernel the device lacks (`pipeline-errors`);
 - a stalled worker with one rank: the whole worker frozen (`worker-freeze`);
 - the quality baseline stale: the deployment changed under the prober (`fingerprint-change`);
-- a rank late: its GPU throttled, as NVML reports it (`gpu-throttle`, on the stand-in GPUs).
+- a rank late: its GPU throttled, as NVML reports it (`gpu-throttle`, on the stand-in GPUs);
+- step time up on one rank: CPU-bound processes beside the worker (`cpu-contention`).
 
 Knob faults come out through the knob's previous value; process faults through the
 service's own recovery (a restart) or SIGCONT.
@@ -39,6 +41,7 @@ from stepwatch.fault_injection.drills import (
     _http_json,
     _mean_step,
     _rate_window,
+    start_neighbours,
 )
 from stepwatch.fault_injection.stack import LocalStack
 
@@ -207,6 +210,58 @@ class WorkerKilled(Drill):
         r.checks["serves_after_restart"] = status == 200
 
 
+class PipelineErrors(KnobFault):
+    name = "pipeline-errors"
+    doc_id = "pipeline_errors"
+    companions = ("probe_failing", "recompile")
+    baseline_accepts = frozenset({200, 500})  # every generation fails while the fault is in: that is the fault
+    description = ("A deploy forces an attention kernel the device cannot run (cuDNN SDPA on the CPU stack): every "
+                   "generation fails with a 500 that is not an OOM, while the worker, the memory and the queue "
+                   "look fine. Triage must name the pipeline's exceptions, not a crash, an OOM or a cold start.")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        status, body, _ = stack.generate(size="256x256")
+        r.details["error_message"] = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
+        r.checks["fails_with_500_naming_the_error"] = status == 500 and bool(r.details["error_message"])
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        r.checks["serves_after_restore"] = stack.generate(size="256x256")[0] == 200
+
+
+class CpuContention(Drill):
+    """CPU-bound processes beside a one-rank worker: the straggler-neighbour fault with no rank to compare."""
+
+    name = "cpu-contention"
+    doc_id = "cpu_contention"
+    in_place_when_injected = True  # the neighbours run from the moment they are started
+    companions = ("queue_wait", "probe_failing")
+    description = ("CPU-bound processes share every CPU of a one-rank worker (a noisy neighbour on the host, no "
+                   "knob touched): the host side of each step runs late and per-step time rises; with no other "
+                   "rank to compare, triage must find the wait for a CPU, not blame compile, cache or deploy.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details["step_seconds_before"] = _mean_step(stack, self.th)
+        r.details["cpu_wait_before"] = stack.prom.value(queries.pipeline_cpu_wait(_rate_window(self.th, stack)))
+        pid = int(stack.info()["worker"]["pid"])
+        cpus = sorted(os.sched_getaffinity(pid))
+        per_cpu = int(self.spec.inject["cpu_neighbours"].get("per_cpu", 1))
+        r.details["_neighbours"] = start_neighbours(cpus, per_cpu)
+        r.notes.append(f"{per_cpu} CPU-bound process(es) pinned to each of the worker's CPUs {cpus}")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        w = _rate_window(self.th, stack)
+        before, now = r.details.get("step_seconds_before"), _mean_step(stack, self.th)
+        wait = stack.prom.value(queries.pipeline_cpu_wait(w))
+        r.details.update(step_seconds_during=now, cpu_wait_during=wait)
+        r.checks["steps_slower"] = bool(before and now and now > before)
+        r.checks["waits_for_a_cpu"] = wait is not None and wait > float(self.th.diagnosis["cpu_wait"])
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        for p in r.details.pop("_neighbours", []):
+            p.kill()
+            p.wait()
+
+
 class GpuThrottle(Straggler):
     """Rank 1's GPU reports a thermal slowdown: the same late rank as the straggler drill, another cause."""
 
@@ -254,4 +309,5 @@ class WorkerFreeze(WorkerStall):
 # GpuThrottle last: its throttle stays in the runbooks' lookback (diagnosis.throttle_lookback) for the
 # stack's later rank drills, which would then be read as throttling.
 RIVALS: tuple[type[Drill], ...] = (CacheOff, StragglerStepTime, FingerprintChange, CacheThresholdRaise, CacheKind,
-                                   CompileCacheDropped, ShapeTooLarge, WorkerKilled, WorkerFreeze, GpuThrottle)
+                                   CompileCacheDropped, ShapeTooLarge, WorkerKilled, PipelineErrors, WorkerFreeze,
+                                   CpuContention, GpuThrottle)

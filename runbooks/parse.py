@@ -54,6 +54,8 @@ CAUSES: dict[str, str] = {
     "straggler_rank": "one sequence-parallel rank is slower (another process, heat, a bad link, an injected delay); "
                       "every step waits for it",
     "gpu_throttling": "a GPU clock is throttled (thermal or power)",
+    "cpu_contention": "another process competes for the pipeline's CPUs (a noisy neighbour): the host side of "
+                      "every step runs late",
     "instance_slowdown": "this instance got slower per step than its baseline (see StepwatchStepTimeRegression)",
     "bad_instance": "one instance differs from the rest (FP8 scales, parallel degree, a broken GPU)",
     "cache_threshold_too_high": "the cross-step cache reuses too often (threshold too high): faster, blurred or "

@@ -45,7 +45,7 @@ log = logging.getLogger("stepwatch.service")
 CODES = ("200", "429", "500", "503", "507")  # created at 0 per pool: a pool's first error is a visible increase
 # Knobs whose override of the start-up value triage asks about ("did someone change it?"): a value, not a
 # count of label sets, so a knob set and restored, or a restart, reads as unchanged.
-OVERRIDABLE = ("cache", "cache_threshold", "vae_tiling", "compile")
+OVERRIDABLE = ("cache", "cache_threshold", "vae_tiling", "compile", "attention_backend")
 Answer = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, headers
 
 

@@ -15,8 +15,13 @@ from stepwatch.service.cache import KINDS
 
 KNOB_TYPES: dict[str, type | tuple[type, ...]] = {
     "cache": str, "cache_threshold": (int, float), "vae_tiling": bool, "compile": bool,
-    "rank_delay_seconds": dict, "baselines": dict, "drop_compiled_graphs": bool,
+    "rank_delay_seconds": dict, "baselines": dict, "drop_compiled_graphs": bool, "attention_backend": str,
 }
+# diffusers' attention dispatch backends the practice service accepts: "native" (PyTorch's SDPA picking its
+# kernel, the start-up value) and the forced SDPA kernels and flex.  A kernel the device cannot run is
+# accepted, as a deploy would be, and fails every generation with a non-OOM error (on CPU: cuDNN and
+# memory-efficient SDPA): the request-error drill's real misconfiguration.
+ATTENTION_BACKENDS = ("native", "_native_math", "_native_cudnn", "_native_efficient", "_native_flash", "flex")
 BASELINE_FIELDS = ("step_seconds", "cache_hit_ratio")
 
 
@@ -44,6 +49,9 @@ def validate(knobs: Any, ranks: int) -> dict[str, Any]:
                         "cache_threshold")
     if "cache" in knobs and knobs["cache"] not in KINDS:
         raise KnobError(f"cache {knobs['cache']!r} is not one of {', '.join(KINDS)}", "cache")
+    if "attention_backend" in knobs and knobs["attention_backend"] not in ATTENTION_BACKENDS:
+        raise KnobError(f"attention_backend {knobs['attention_backend']!r} is not one of "
+                        f"{', '.join(ATTENTION_BACKENDS)}", "attention_backend")
     if "baselines" in knobs:
         _check_baselines(knobs["baselines"])
     if "rank_delay_seconds" in knobs:

@@ -218,8 +218,9 @@ class Worker:
             self._set_compile(bool(knobs["compile"]))
             self.knobs["compile"] = self.compile_active
             rewarm = rewarm or self.compile_active
+        rewarm = self._apply_attention(knobs) or rewarm
         if warm and rewarm:
-            self.warmup()
+            self._rewarm()
         self.knobs.setdefault("compile", self.compile_active)
         if "baselines" in knobs:
             self.inst.set_baselines(knobs["baselines"])
@@ -234,6 +235,28 @@ class Worker:
             torch._dynamo.reset_code_caches()
             log.warning("compiled graphs dropped: every shape compiles again on its next request")
         return dict(self.knobs)
+
+    def _apply_attention(self, knobs: dict[str, Any]) -> bool:
+        """The attention backend knob (diffusers' dispatch); True when a compiled service must re-warm."""
+        self.knobs.setdefault("attention_backend", "native")
+        backend = knobs.get("attention_backend")
+        if backend is None or backend == self.knobs["attention_backend"]:
+            return False
+        # "native" is set, not reset: diffusers' reset_attention_backend() leaves the forced kernel in use.
+        self.pipe.transformer.set_attention_backend(backend)
+        self.knobs["attention_backend"] = backend
+        return self.compile_active
+
+    def _rewarm(self) -> None:
+        """Warm up again after a knob changed the compiled forward.  A forward that no longer runs (an attention
+        kernel the device lacks) fails its warm-up as it fails every request: the knob stays, as a deploy would,
+        and the worker serves on, answering each request with that error."""
+        try:
+            self.warmup()
+        except Exception as e:
+            if is_oom(e):
+                raise
+            log.error("re-warm failed with the new knobs, which stay in place: %s: %s", type(e).__name__, e)
 
     @property
     def _stamp(self) -> Any:

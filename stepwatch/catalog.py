@@ -39,6 +39,9 @@ class MetricDef:
     labels: tuple[str, ...] = ()
     owner: Owner = "exporter"
     buckets: tuple[float, ...] = field(default=(), compare=False)
+    # Read from its source at each scrape (a kernel counter): the owner registers a metrics.ScrapeCounter for
+    # it, MetricSet builds no collector of its own.
+    scraped: bool = False
 
     def series_names(self) -> tuple[str, ...]:
         """Names that appear in an exposition for this metric."""
@@ -52,8 +55,8 @@ class MetricDef:
 
 
 def _m(name: str, kind: Kind, help: str, labels: tuple[str, ...] = (), owner: Owner = "exporter",
-       buckets: tuple[float, ...] = ()) -> MetricDef:
-    return MetricDef(name, kind, help, labels, owner, buckets)
+       buckets: tuple[float, ...] = (), scraped: bool = False) -> MetricDef:
+    return MetricDef(name, kind, help, labels, owner, buckets, scraped)
 
 
 METRICS: tuple[MetricDef, ...] = (
@@ -116,6 +119,9 @@ METRICS: tuple[MetricDef, ...] = (
        "Per rank: seconds its threads were runnable but waited for a CPU (Linux schedstat; part of busy).",
        ("rank",)),
     _m("stepwatch_rank_steps_total", "counter", "Per rank: denoising steps run.", ("rank",)),
+    _m("stepwatch_pipeline_cpu_wait_seconds_total", "counter",
+       "Seconds the pipeline process's threads were runnable but waited for a CPU (Linux schedstat, thread-"
+       "seconds): another process on the host delays the host side of every step.", (), scraped=True),
     _m("stepwatch_rank_progress_age_seconds", "gauge",
        "Per rank, while it runs a request: seconds since it last left a collective (0 when idle).", ("rank",)),
     _m("stepwatch_rank_collective_wait_seconds", "gauge",
@@ -156,8 +162,8 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_service_config", "info",
        "Runtime knobs and the deployment fingerprint of the service.", (), "service"),
     _m("stepwatch_service_knob_override_active", "gauge",
-       "1 while a runtime knob (cache, cache_threshold, vae_tiling, compile) differs from the value the "
-       "service started with; 0 again once it is restored.", ("knob",), "service"),
+       "1 while a runtime knob (cache, cache_threshold, vae_tiling, compile, attention_backend) differs from the "
+       "value the service started with; 0 again once it is restored.", ("knob",), "service"),
     # --- sidecar: NVML ------------------------------------------------------------------
     _m("stepwatch_nvml_up", "gauge", "1 when NVML initialized and answered.", (), "sidecar"),
     _m("stepwatch_gpu_memory_used_bytes", "gauge", "Device memory in use.", ("gpu",), "sidecar"),

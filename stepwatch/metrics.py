@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, Summary
+from prometheus_client.core import CounterMetricFamily, Metric
 
-from stepwatch.catalog import METRICS, Owner
+from stepwatch.catalog import METRICS, MetricDef, Owner
 
 _SHARED: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, MetricSet]] = weakref.WeakKeyDictionary()
 
@@ -23,7 +25,7 @@ class MetricSet:
         self.registry = registry
         self._by_name: dict[str, Any] = {}
         for m in METRICS:
-            if m.owner != owner:
+            if m.owner != owner or m.scraped:
                 continue
             c: Any
             if m.kind == "counter":
@@ -53,3 +55,31 @@ class MetricSet:
             return self._by_name[key]
         except KeyError:
             raise AttributeError(key) from None
+
+
+class ScrapeCounter:
+    """A catalog counter read from its source at each scrape (``scraped=True``): a kernel counter such as
+    schedstat needs no increments, so nothing is lost between scrapes and costs nothing between them.  A
+    source that answers None (no /proc) leaves the series out.  Registered once per registry."""
+
+    def __init__(self, name: str, read: Callable[[], float | None], registry: CollectorRegistry) -> None:
+        self.defn: MetricDef = next(m for m in METRICS if m.name == name)
+        if not self.defn.scraped or self.defn.kind != "counter" or self.defn.labels:
+            raise ValueError(f"{name} is not an unlabelled scraped counter in the catalog")
+        self._read = read
+        if name not in getattr(registry, "_names_to_collectors", {}):  # a second instrument() on the registry
+            registry.register(self)
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.defn.name.removesuffix("_total"), self.defn.help)
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[Metric]:
+        value = self._read()
+        if value is None:
+            return
+        family = self._family()
+        family.add_metric([], value)
+        yield family

@@ -146,6 +146,8 @@ def test_explained_by_names_another_alert(th: Any, runbooks: dict[str, parse.Run
     assert joins == {("StepwatchQualityProbeFailing", "stalled"): "StepwatchWorkerStalled",
                      ("StepwatchQueueWaitHigh", "stalled"): "StepwatchWorkerStalled",
                      ("StepwatchQualityProbeFailing", "serving_compiles"): "StepwatchServingRecompile",
+                     ("StepwatchQualityProbeFailing", "pipeline_errors"): "StepwatchRequestErrorRatio",
+                     ("StepwatchQualityProbeFailing", "slower"): "StepwatchStepTimeRegression",
                      ("StepwatchStepTimeRegression", "serving_compiles"): "StepwatchServingRecompile"}
     for (alert, _cid), target in joins.items():
         assert target in names and target != alert
@@ -245,8 +247,8 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       "straggler_neighbour", "worker_stall", "queue_overload",
                                       # rival causes behind the same alerts
                                       "cache_off", "straggler_step_time", "fingerprint_change", "cache_threshold_raise",
-                                      "cache_kind", "compile_cache_dropped", "worker_killed", "worker_freeze",
-                                      "gpu_throttle", "shape_too_large"]
+                                      "cache_kind", "compile_cache_dropped", "worker_killed", "pipeline_errors",
+                                      "worker_freeze", "cpu_contention", "gpu_throttle", "shape_too_large"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:
@@ -254,7 +256,7 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
         for alert, cause in d.also.items():  # an alert in hand: its runbook (or its join) can reach the cause
             assert alert != d.alerts[0] and th.by_name(alert) is not None, (d.id, alert)
             assert cause in CAUSES, (d.id, alert, cause)
-    assert sum(len(d.also) for d in drills) == 21
+    assert sum(len(d.also) for d in drills) == 27
 
 
 @pytest.mark.parametrize("also, message", [

@@ -29,13 +29,13 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
 @pytest.fixture
 def restore(svc: ServiceProc) -> Iterator[None]:
     yield
-    status, body, _ = svc.knobs(cache="first_block_cache", cache_threshold=0.5, vae_tiling=True)
+    status, body, _ = svc.knobs(cache="first_block_cache", cache_threshold=0.5, vae_tiling=True,
+                                attention_backend="native")
     assert status == 200, body
     # Back at the values it started with: no knob reads as overridden (a value, not a history of label sets).
     m = svc.metrics()
-    assert {k: value(m, "stepwatch_service_knob_override_active", knob=k)
-            for k in ("cache", "cache_threshold", "vae_tiling", "compile")} == dict.fromkeys(
-        ("cache", "cache_threshold", "vae_tiling", "compile"), 0)
+    knobs = ("cache", "cache_threshold", "vae_tiling", "compile", "attention_backend")
+    assert {k: value(m, "stepwatch_service_knob_override_active", knob=k) for k in knobs} == dict.fromkeys(knobs, 0)
 
 
 def png(b64: str) -> Image.Image:
@@ -111,6 +111,27 @@ def test_cache_knob_changes_the_hit_rate(svc: ServiceProc, restore: None) -> Non
     assert ("config_id", body["config_id"]) in cfg_info[0]
     assert value(after, "stepwatch_service_knob_override_active", knob="cache_threshold") == 1
     assert value(after, "stepwatch_service_knob_override_active", knob="cache") == 0
+
+
+def test_an_attention_kernel_the_device_lacks_fails_requests_with_500_and_the_service_serves_on(
+        svc: ServiceProc, restore: None) -> None:
+    """The request-error drill's fault: a deploy that forces cuDNN attention on a device without it."""
+    before = svc.metrics()
+    status, body, _ = svc.knobs(attention_backend="_native_cudnn")
+    assert status == 200 and body["knobs"]["attention_backend"] == "_native_cudnn"
+    status, body, _ = svc.generate(size="256x256")
+    assert status == 500, body
+    assert "scaled_dot_product_attention" in body["error"]["message"]
+    after = svc.metrics()
+    # The request's own error, and on a compiled service the re-warm's first run, which failed the same way.
+    assert total(after, "stepwatch_pipeline_requests_total", outcome="error") - total(
+        before, "stepwatch_pipeline_requests_total", outcome="error") in (1, 2)
+    assert value(after, "stepwatch_service_requests_total", pool="small", code="500") - value(
+        before, "stepwatch_service_requests_total", pool="small", code="500") == 1
+    assert value(after, "stepwatch_service_knob_override_active", knob="attention_backend") == 1
+    assert svc.knobs(attention_backend="warp")[0] == 400
+    assert svc.knobs(attention_backend="native")[0] == 200
+    assert svc.generate(size="256x256")[0] == 200
 
 
 def test_vae_tiling_off_oom_fails_the_request_and_the_next_succeeds(svc: ServiceProc, restore: None) -> None:
