@@ -298,3 +298,39 @@ def test_every_request_begins_and_ends_on_the_rank_reporter_whatever_else_fails(
     assert ranks.steps == [(0, 0), (1, 3)]
     component = "request.begin" if breaks == "begin" else "request.end"
     assert registry.get_sample_value("stepwatch_exporter_errors_total", {"component": component}) == 1
+
+
+def test_the_pipeline_process_cpu_wait_is_read_from_its_source_at_each_scrape() -> None:
+    """A scraped counter: the kernel's number as it is at the scrape, no series when the source has none."""
+    from stepwatch.exporter.cpu import runqueue_wait_seconds
+    from stepwatch.metrics import ScrapeCounter
+
+    registry = CollectorRegistry()
+    instrument(StubPipeline(), registry=registry)
+    instrument(StubPipeline(), registry=registry)  # a second pipeline on the registry: registered once
+    own = value(scrape(registry), "stepwatch_pipeline_cpu_wait_seconds_total")
+    assert 0 <= own <= (runqueue_wait_seconds() or 0)
+
+    readings = iter([1.5, None, 2.25])
+    other = CollectorRegistry()
+    ScrapeCounter("stepwatch_pipeline_cpu_wait_seconds_total", lambda: next(readings), other)
+    assert value(scrape(other), "stepwatch_pipeline_cpu_wait_seconds_total") == 1.5
+    assert absent(scrape(other), "stepwatch_pipeline_cpu_wait_seconds_total")
+    assert value(scrape(other), "stepwatch_pipeline_cpu_wait_seconds_total") == 2.25
+    with pytest.raises(ValueError, match="not an unlabelled scraped counter"):
+        ScrapeCounter("stepwatch_pipeline_requests_total", lambda: 0.0, CollectorRegistry())
+
+
+def test_warmup_active_follows_the_warmup_phase() -> None:
+    """1 inside ``inst.warmup()`` (what the probe runbook's re-warm check reads), 0 outside and after a failure."""
+    registry = CollectorRegistry()
+    pipe = StubPipeline()
+    inst = instrument(pipe, registry=registry)
+    assert value(scrape(registry), "stepwatch_pipeline_warmup_active") == 0
+    with inst.warmup():
+        pipe("p")
+        assert value(scrape(registry), "stepwatch_pipeline_warmup_active") == 1
+    assert value(scrape(registry), "stepwatch_pipeline_warmup_active") == 0
+    with pytest.raises(RuntimeError), inst.warmup():
+        raise RuntimeError("a warm-up that failed")
+    assert value(scrape(registry), "stepwatch_pipeline_warmup_active") == 0

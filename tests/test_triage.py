@@ -604,8 +604,14 @@ STEP = ("step_time_regression", {"instance": "127.0.0.1:8000", "shape": "512x512
     ([(r'compile=~"\(\?i\)false"', 1.0), (r"stepwatch_quality_baseline_stale", 1.0)], "compile_disabled"),
     ([(r'cache="none"', 1.0), (r"stepwatch_quality_baseline_stale", 0.0)], "cache_disabled"),
     ([(r"stepwatch_quality_baseline_stale", 1.0)], "fingerprint_changed"),
+    ([(r"stepwatch_pipeline_cpu_wait_seconds_total", 1.4), (r"stepwatch_quality_baseline_stale", 1.0)],
+     "cpu_contention"),
+    # A deployment that never compiled, its step time up on CPU noise: compile reads off, but it was never
+    # turned off (no override), so the compile question is empty and nothing is named, not compile_disabled.
+    ([(r'knob="compile"', None), (r'compile=~"\(\?i\)false"', 1.0),
+      (r"stepwatch_pipeline_cpu_wait_seconds_total", 0.1)], None),
 ])
-def test_step_time_rivals(rules: list[tuple[str, float | None]], cause: str) -> None:
+def test_step_time_rivals(rules: list[tuple[str, float | None]], cause: str | None) -> None:
     """Compile off also makes the baseline stale (the compile mode is in the fingerprint): compile is asked first."""
     key, labels = STEP
     d = triage([_alert(key, **labels)], StubProm(rules), thresholds=TH).incidents[0].primary
