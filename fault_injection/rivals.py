@@ -18,7 +18,8 @@ mechanism, so only the runbook's checks can tell the cases apart (runbooks/drill
 - a stalled worker with one rank: the whole worker frozen (`worker-freeze`);
 - the quality baseline stale: the deployment changed under the prober (`fingerprint-change`);
 - a rank late: its GPU throttled, as NVML reports it (`gpu-throttle`, on the stand-in GPUs);
-- step time up on one rank: CPU-bound processes beside the worker (`cpu-contention`).
+- step time up on one rank: CPU-bound processes beside the worker (`cpu-contention`);
+- a target down: the sidecar process killed (`sidecar-killed`), the whole host gone (`host-down`).
 
 Knob faults come out through the knob's previous value; process faults through the
 service's own recovery (a restart) or SIGCONT.
@@ -30,6 +31,7 @@ import os
 import signal
 import time
 
+from stepwatch import httpclient
 from stepwatch.exporter.sidecar.practice_gpus import write_state
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.drills import (
@@ -262,6 +264,53 @@ class CpuContention(Drill):
             p.wait()
 
 
+class SidecarKilled(Drill):
+    """The sidecar process killed, the service beside it up: TargetDown for one process of a live host."""
+
+    name = "sidecar-killed"
+    doc_id = "sidecar_killed"
+    in_place_when_injected = True
+    description = ("The sidecar process dies (SIGKILL; an OOM kill, a crash) while the service beside it serves: "
+                   "Prometheus cannot scrape it and quality goes unmeasured. The host is alive, so triage must "
+                   "name the process, not the host.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        stack.crash("sidecar")
+        r.notes.append("sidecar killed with SIGKILL")
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        stack.restart_sidecar()
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        r.checks["sidecar_back"] = httpclient.ok(f"{stack.sidecar_url}/metrics")
+
+
+class HostDown(Drill):
+    """Every stepwatch process of the host killed at once: TargetDown for all of them, the host gone."""
+
+    name = "host-down"
+    doc_id = "host_down"
+    in_place_when_injected = True
+    health_turns_red = True
+    # Refused connections (0) while nothing listens, 503 while the restarted service warms up.
+    baseline_accepts = frozenset({0, 200, 503})
+    description = ("The whole host goes (its service, worker and sidecar killed at once, as a node failure or an "
+                   "evicted pod does): every target of the host is down. Triage must name the host, not one "
+                   "process; the drill brings both back (the service warms up again).")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        for name in ("service", "sidecar"):
+            stack.crash(name)
+        r.notes.append("service (with its worker) and sidecar killed with SIGKILL")
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        stack.restart_service()
+        stack.restart_sidecar()
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        r.checks["serves_after_restart"] = stack.generate(size="256x256")[0] == 200
+
+
 class GpuThrottle(Straggler):
     """Rank 1's GPU reports a thermal slowdown: the same late rank as the straggler drill, another cause."""
 
@@ -310,4 +359,4 @@ class WorkerFreeze(WorkerStall):
 # stack's later rank drills, which would then be read as throttling.
 RIVALS: tuple[type[Drill], ...] = (CacheOff, StragglerStepTime, FingerprintChange, CacheThresholdRaise, CacheKind,
                                    CompileCacheDropped, ShapeTooLarge, WorkerKilled, PipelineErrors, WorkerFreeze,
-                                   CpuContention, GpuThrottle)
+                                   CpuContention, SidecarKilled, HostDown, GpuThrottle)

@@ -236,6 +236,12 @@ class Child:
         finally:
             self._log.close()
 
+    def crash(self) -> None:
+        """SIGKILL to the child's whole group, as a node or an OOM killer ends it: nothing runs its finally."""
+        self._kill_group()
+        self.proc.wait(timeout=10)
+        self._log.close()
+
     def _kill_group(self) -> None:
         # The group id is the child's pid (start_new_session); grandchildren that outlived it are still in it.
         try:
@@ -407,11 +413,29 @@ class LocalStack:
         Its counters start again from zero and its runtime knobs (baselines included) are gone, as on
         any restart: the caller publishes baselines again.
         """
-        old = next(c for c in self.children if c.name == "service")
+        old = self._child("service")
         old.stop()
         self.children.remove(old)
         svc, _ = self._start_service(port=int(self.service_url.rsplit(":", 1)[1]))
         self._wait(lambda: self._ready(), "service (restarted)", time.time() + timeout, child=svc)
+
+    def crash(self, name: str) -> None:
+        """Kill a child (``service`` with its worker, ``sidecar``) with SIGKILL; ``restart_*`` brings it back."""
+        self._child(name).crash()
+
+    def restart_sidecar(self, timeout: float = 120.0) -> None:
+        """The sidecar again on its port, with the baselines it had (no capture: the store is on disk)."""
+        old = self._child("sidecar")
+        old.stop()
+        self.children.remove(old)
+        port = int(str(self.sidecar_url).rsplit(":", 1)[1])
+        self._run_sidecar(port, time.time() + timeout)
+
+    def _child(self, name: str) -> Child:
+        for c in self.children:
+            if c.name == name:
+                return c
+        raise KeyError(f"the stack has no {name} (attached, or started without it)")
 
     def _start_service(self, port: int | None = None) -> tuple[Child, dict[str, Any]]:
         port = port or free_port()
@@ -439,12 +463,14 @@ class LocalStack:
         self._wait(am.ready, "alertmanager", deadline)
 
     def _start_sidecar(self, steps: int, deadline: float) -> None:
-        port = free_port()
-        self.sidecar_url = f"http://127.0.0.1:{port}"
         probes = default_probe_set(size=PROBE_SIZE, steps=steps)
         self._capture_baseline(probes)
+        (self.workdir / "probe-set.yaml").write_text(yaml.safe_dump(probes.to_dict()))
+        self._run_sidecar(free_port(), deadline)
+
+    def _run_sidecar(self, port: int, deadline: float) -> None:
+        self.sidecar_url = f"http://127.0.0.1:{port}"
         probe_file = self.workdir / "probe-set.yaml"
-        probe_file.write_text(yaml.safe_dump(probes.to_dict()))
         sidecar = Child("sidecar", [
             sys.executable, "-m", "stepwatch.cli", "sidecar", "--target", self.service_url,
             "--port", str(port), "--baseline-dir", str(self.workdir / "baselines"),

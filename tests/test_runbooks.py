@@ -248,7 +248,8 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       # rival causes behind the same alerts
                                       "cache_off", "straggler_step_time", "fingerprint_change", "cache_threshold_raise",
                                       "cache_kind", "compile_cache_dropped", "worker_killed", "pipeline_errors",
-                                      "worker_freeze", "cpu_contention", "gpu_throttle", "shape_too_large"]
+                                      "worker_freeze", "cpu_contention", "sidecar_killed", "host_down", "gpu_throttle",
+                                      "shape_too_large"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:
