@@ -12,7 +12,8 @@ Drills: cache-threshold, off-menu-resolution, vae-tiling-oom (the seeds'
 three: ``seeds``), queue-overload, straggler, straggler-neighbour and worker-stall
 (two ranks), the rival faults (``rivals``: another true cause behind an alert the
 others fire: cache-off, straggler-step-time, fingerprint-change, cache-threshold-raise,
-cache-kind, compile-cache-dropped, shape-too-large, worker-killed, worker-freeze, gpu-throttle),
+cache-kind, compile-cache-dropped, shape-too-large, worker-killed, pipeline-errors, worker-freeze,
+cpu-contention, sidecar-killed, host-down, gpu-throttle),
 or all.
 
 ``--record DIR`` re-records the triage evaluation set on the code as it is: run

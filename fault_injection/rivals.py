@@ -292,6 +292,8 @@ class HostDown(Drill):
     doc_id = "host_down"
     in_place_when_injected = True
     health_turns_red = True
+    # The host back: requests sent before its service is ready get 503s, which the error ratio counts.
+    companions = ("error_ratio",)
     # Refused connections (0) while nothing listens, 503 while the restarted service warms up.
     baseline_accepts = frozenset({0, 200, 503})
     description = ("The whole host goes (its service, worker and sidecar killed at once, as a node failure or an "

@@ -413,23 +413,30 @@ class LocalStack:
         Its counters start again from zero and its runtime knobs (baselines included) are gone, as on
         any restart: the caller publishes baselines again.
         """
-        old = self._child("service")
-        old.stop()
-        self.children.remove(old)
+        self._stop_child("service")
         svc, _ = self._start_service(port=int(self.service_url.rsplit(":", 1)[1]))
         self._wait(lambda: self._ready(), "service (restarted)", time.time() + timeout, child=svc)
 
     def crash(self, name: str) -> None:
-        """Kill a child (``service`` with its worker, ``sidecar``) with SIGKILL; ``restart_*`` brings it back."""
-        self._child(name).crash()
+        """Kill a child (``service`` with its worker, ``sidecar``) with SIGKILL; ``restart_*`` brings it back.
+
+        The dead child leaves ``children`` at once: waiting for another one to start checks that every
+        child is alive, and a crashed one is meant to be dead."""
+        child = self._child(name)
+        child.crash()
+        self.children.remove(child)
 
     def restart_sidecar(self, timeout: float = 120.0) -> None:
         """The sidecar again on its port, with the baselines it had (no capture: the store is on disk)."""
-        old = self._child("sidecar")
-        old.stop()
-        self.children.remove(old)
+        self._stop_child("sidecar")
         port = int(str(self.sidecar_url).rsplit(":", 1)[1])
         self._run_sidecar(port, time.time() + timeout)
+
+    def _stop_child(self, name: str) -> None:
+        """Stop a child if it still runs (a crashed one is gone already)."""
+        for c in [c for c in self.children if c.name == name]:
+            c.stop()
+            self.children.remove(c)
 
     def _child(self, name: str) -> Child:
         for c in self.children:
