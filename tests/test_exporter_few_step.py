@@ -29,7 +29,7 @@ def test_few_step_line_comes_from_the_thresholds() -> None:
     assert not ShapeKey.parse("512x512_8s").few_step(4)
     assert ShapeKey.parse("832x480x81_3s").few_step(4)  # FastWan
     raw = {**_raw(), "few_step": {"max_steps": 0}}
-    with pytest.raises(ThresholdsError, match="few_step.max_steps"):
+    with pytest.raises(ThresholdsError, match=r"few_step\.max_steps"):
         parse(raw)
 
 
