@@ -193,7 +193,8 @@ METRICS: tuple[MetricDef, ...] = (
        ("probe_set", "instance_id", "stat"), "sidecar"),
     _m("stepwatch_quality_gate_decibels", "gauge", "PSNR gate of the probe set.", ("probe_set",), "sidecar"),
     _m("stepwatch_quality_ssim_gate_ratio", "gauge",
-       "SSIM gate of the probe set (video sets: 0.92 on the worst frame; high-quality image sets: 0.95).",
+       "SSIM gate of the probe set's worst frame (video sets 0.92, high-quality image sets 0.95); 0: the set "
+       "has no SSIM gate (image sets are gated on PSNR).",
        ("probe_set",), "sidecar"),
     _m("stepwatch_quality_probe_duration_seconds", "histogram",
        "Time to run one probe set.", ("probe_set",), "sidecar", DURATION_BUCKETS),

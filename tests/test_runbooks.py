@@ -28,7 +28,8 @@ RUNBOOKS = ROOT / "runbooks"
 EXAMPLE_LABELS = {"job": "stepwatch-service", "instance": "10.0.0.1:8000", "shape": "1024x1024_8s_cfg",
                   "pool": "large", "device": "cuda:0", "gpu": "0", "rank": "1", "stage": "vae_decode",
                   "probe_set": "default", "instance_id": "svc-a", "stat": "p10", "phase": "serving",
-                  "reason": "timeout", "component": "scheduler.step"}
+                  "reason": "timeout", "component": "scheduler.step", "cache": "first_block_cache",
+                  "outcome": "failed"}
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,9 @@ def test_explained_by_names_another_alert(th: Any, runbooks: dict[str, parse.Run
     assert joins == {("StepwatchQualityProbeFailing", "stalled"): "StepwatchWorkerStalled",
                      ("StepwatchQueueWaitHigh", "stalled"): "StepwatchWorkerStalled",
                      ("StepwatchQualityProbeFailing", "serving_compiles"): "StepwatchServingRecompile",
-                     ("StepwatchStepTimeRegression", "serving_compiles"): "StepwatchServingRecompile"}
+                     ("StepwatchStepTimeRegression", "serving_compiles"): "StepwatchServingRecompile",
+                     ("StepwatchVideoJobsFailing", "oom"): "StepwatchOutOfMemory",
+                     ("StepwatchQualitySsimDrop", "few_step_hits"): "StepwatchCacheOnDistilledModel"}
     for (alert, _cid), target in joins.items():
         assert target in names and target != alert
 
@@ -331,7 +334,7 @@ LIVE_EXPOSITIONS = {"exporter": _exporter_exposition}
 EVENT_ONLY = {"stepwatch_compile_total", "stepwatch_oom_total", "stepwatch_exporter_errors_total",
               "stepwatch_rank_step_duration_seconds", "stepwatch_rank_busy_seconds_total", "stepwatch_rank_steps_total",
               "stepwatch_rank_progress_age_seconds", "stepwatch_rank_collective_wait_seconds",
-              "stepwatch_rank_cpu_wait_seconds_total"}
+              "stepwatch_rank_cpu_wait_seconds_total", "stepwatch_cache_few_step_hits_total"}
 
 
 def _names_used(th: Any, runbooks: dict[str, parse.Runbook]) -> set[str]:
