@@ -260,3 +260,22 @@ def test_video_knobs_are_checked() -> None:
         knobs.validate({"video_decode_chunk_frames": 2}, 2, video=False)
     with pytest.raises(knobs.KnobError, match=">= 0"):
         knobs.validate({"video_decode_chunk_frames": -1}, 1)
+
+
+def test_the_distilled_configuration_is_few_step_without_a_cache() -> None:
+    """service/distilled.yaml: every default request, image and video, is few-step by the thresholds' line, and no
+    cache is on (one would hit on every request of a distilled model)."""
+    from pathlib import Path
+
+    from stepwatch.alerts.thresholds import load as load_thresholds
+    from stepwatch.exporter.shapes import ShapeKey
+    from stepwatch.service import config
+
+    cfg = config.load(Path(config.__file__).with_name("distilled.yaml"))
+    line = load_thresholds().few_step_max_steps
+    assert cfg.cache.kind == "none" and cfg.video.cache.kind == "none"
+    image = ShapeKey.parse(f"{cfg.default_size}_{cfg.default_steps}s")
+    video = ShapeKey.parse(cfg.video_serving_shapes()[0])
+    assert image.few_step(line) and video.few_step(line) and cfg.video.guidance_scale <= 1.0
+    default = config.load()  # the default deployment's images are not few-step: its cache may hit
+    assert not ShapeKey.parse(f"{default.default_size}_{default.default_steps}s").few_step(line)
