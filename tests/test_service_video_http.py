@@ -100,5 +100,41 @@ def test_video_jobs_over_http(tmp_path: Path) -> None:
         assert total(m, "stepwatch_pipeline_requests_total", outcome="error") == 0
         assert value(m, "stepwatch_video_frames_total", pool="video") == 18
         assert_lint_clean(svc.get("/metrics")[1], "the service with video jobs")
+        _video_probes_score_frames(svc, tmp_path)
     finally:
         svc.close()
+
+
+def _video_probes_score_frames(svc: ServiceProc, tmp_path: Path) -> None:
+    """The prober on the real service: a video probe set captured as jobs (the same seed reproduces the MP4:
+    PSNR inf), then a cache on the few-step video model changes the frames: scored frame by frame, the worst
+    frame's PSNR and SSIM fall, the SSIM gate the alert reads is the video gate, and the exporter counted the
+    few-step hits."""
+    from prometheus_client import CollectorRegistry
+
+    from stepwatch.alerts.thresholds import load
+    from stepwatch.exporter.sidecar.capture import capture_baseline
+    from stepwatch.exporter.sidecar.config import parse_probe_set
+    from stepwatch.exporter.sidecar.prober import Prober
+    from tests.promtext import scrape
+
+    probes = parse_probe_set({"name": "clips", "size": "128x128", "steps": 4, "frames": 9, "prompts": ["a wave"],
+                              "seeds": [0]})
+    capture_baseline(svc.url, probes, tmp_path / "base")
+    reg = CollectorRegistry()
+    prober = Prober(svc.url, registry=reg, baseline_dir=tmp_path / "base", probe_set=probes, interval_s=60.0)
+    try:
+        same = prober.run_once()
+        assert same.status == "ok" and same.psnr["min"] == float("inf") and same.ssim["min"] == 1.0
+        assert svc.knobs(video_cache="first_block_cache", video_cache_threshold=0.5)[0] == 200
+        cached = prober.run_once()
+    finally:
+        svc.knobs(video_cache="none")
+        prober.close()
+    assert cached.status == "ok" and cached.scored[0].frames == 9 and len(cached.scored[0].frame_psnr) == 9
+    assert cached.psnr["min"] < same.psnr["min"] and cached.ssim["min"] < 1.0
+    d = scrape(reg)
+    assert value(d, "stepwatch_quality_ssim_gate_ratio", probe_set="clips") == load().quality.ssim_gate["video"]
+    assert value(d, "stepwatch_quality_ssim_ratio", probe_set="clips", instance_id=cached.scored[0].instance_id or "",
+                 stat="min") == cached.ssim["min"]
+    assert total(svc.metrics(), "stepwatch_cache_few_step_hits_total") >= 2
