@@ -69,18 +69,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def bench_config(size: str, steps: int, video: VideoBench | None = None) -> dict[str, Any]:
+    """The service config the bench runs: compile off, one pool for ``size``, no memory budget, long SLOs (the
+    bench measures, the queue must not shed), video jobs of ``video``'s one shape (or video off)."""
+    return {
+        "compile": {"enabled": False}, "warmup": [size], "default_steps": steps, "memory_budget_mb": None,
+        "pools": {"bench": {"sizes": [size], "slo_seconds": 600}}, "queue": {"max_queued": 1024},
+        "video": ({"sizes": [video.size], "default_size": video.size, "default_frames": video.frames,
+                   "max_frames": max(video.frames, 9), "default_steps": video.steps, "slo_seconds": 600,
+                   "max_wait_seconds": 1200} if video else {"enabled": False})}
+
+
 @contextmanager
 def running_service(size: str, steps: int, video: VideoBench | None = None) -> Iterator[str]:
     """``stepwatch serve`` on a free loopback port (compile off, one pool for ``size``, video jobs of ``video``'s
     shape when given), ready: its URL."""
     port = _free_port()
     tmp = Path(tempfile.mkdtemp(prefix="stepwatch-bench-"))
-    conf: dict[str, Any] = {
-        "compile": {"enabled": False}, "warmup": [size], "default_steps": steps, "memory_budget_mb": None,
-        "pools": {"bench": {"sizes": [size], "slo_seconds": 600}}, "queue": {"max_queued": 1024},
-        "video": ({"sizes": [video.size], "default_size": video.size, "default_frames": video.frames,
-                   "max_frames": max(video.frames, 9), "default_steps": video.steps, "slo_seconds": 600}
-                  if video else {"enabled": False})}
+    conf = bench_config(size, steps, video)
     (tmp / "bench.yaml").write_text(yaml.safe_dump(conf))
     print(f"starting stepwatch serve on :{port} (compile off, {size} x {steps} steps)...", file=sys.stderr)
     with open(tmp / "serve.log", "w") as log:

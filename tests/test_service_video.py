@@ -279,3 +279,21 @@ def test_the_distilled_configuration_is_few_step_without_a_cache() -> None:
     assert image.few_step(line) and video.few_step(line) and cfg.video.guidance_scale <= 1.0
     default = config.load()  # the default deployment's images are not few-step: its cache may hit
     assert not ShapeKey.parse(f"{default.default_size}_{default.default_steps}s").few_step(line)
+
+
+def test_bench_service_config_and_video_table() -> None:
+    """`bench service` starts the service with a config it accepts (video on for the measured shape, off without
+    one), and its video rows read per job and per frame."""
+    from stepwatch.service import bench
+
+    v = bench.VideoBench("128x128", 9, 4, 3)
+    cfg = parse(bench.bench_config("512x512", 8, v))
+    assert cfg.video_active and cfg.video.sizes == ["128x128"] and cfg.video.default_frames == 9
+    assert not parse(bench.bench_config("512x512", 8)).video_active
+    stats = bench._video_stats([0.9, 1.0, 1.2], 9)
+    assert stats == {"jobs": 3, "p50_s": 1.0, "p99_s": 1.2, "per_frame_p50_s": round(1.0 / 9, 5)}
+    lines = bench.video_table({"size": "128x128", "frames": 9, "steps": 4, "service": stats,
+                               "in_process": {**stats, "p50_s": 0.5}, "job_overhead_ratio": 2.0,
+                               "job_overhead_ms_p50": 500.0})
+    assert any("stepwatch serve (jobs)" in line and "0.111" in line for line in lines)
+    assert "2.000x the in-process pipeline" in lines[-1]
