@@ -296,4 +296,4 @@ def test_bench_service_config_and_video_table() -> None:
                                "in_process": {**stats, "p50_s": 0.5}, "job_overhead_ratio": 2.0,
                                "job_overhead_ms_p50": 500.0})
     assert any("stepwatch serve (jobs)" in line and "0.111" in line for line in lines)
-    assert "2.000x the in-process pipeline" in lines[-1]
+    assert "2.000x the in-process pipeline (median of paired jobs)" in lines[-1]
