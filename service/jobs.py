@@ -104,6 +104,8 @@ class VideoJobs:
         for o in OUTCOMES:
             self.m.video_jobs_finished_total.labels(pool=p, outcome=o)
         self.m.video_frames_total.labels(pool=p)
+        # At 0 from the start, so the first job is an increase rate() sees (a histogram born at 1 is not).
+        self.m.video_job_duration_seconds.labels(pool=p)
         self.update_gauges()
 
     # ----- lifecycle ----------------------------------------------------------------------------

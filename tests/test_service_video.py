@@ -120,6 +120,10 @@ def adds_up(c: dict[str, float]) -> bool:
 
 
 def test_create_poll_download(client: TestClient, svc: Service) -> None:
+    # Every job series exists at 0 before the first job (a series born at 1 is no increase to rate()).
+    before = scrape(svc.registry)
+    assert value(before, "stepwatch_video_job_duration_seconds_count", pool="video") == 0
+    assert value(before, "stepwatch_video_jobs_finished_total", pool="video", outcome="failed") == 0
     r = client.post("/v1/videos", json={"prompt": "a boat at dawn", "seed": 7})
     assert r.status_code == 202
     job = r.json()
