@@ -301,3 +301,50 @@ def test_bench_service_config_and_video_table() -> None:
                                "job_overhead_ms_p50": 500.0})
     assert any("stepwatch serve (jobs)" in line and "0.111" in line for line in lines)
     assert "2.000x the in-process pipeline (median of paired jobs)" in lines[-1]
+
+
+def test_frame_chunked_decode_equals_the_stock_decode(wan_pipe: Any) -> None:
+    """Wan's VAE is causal in time: decoding 1, 2 or all latent frames per decoder call gives diffusers' own
+    frames (to float rounding), so the chunk is a memory knob, never a quality one."""
+    import torch
+
+    from stepwatch.service.video import set_decode_chunk
+
+    vae = wan_pipe.vae
+    torch.manual_seed(0)
+    z = torch.randn(1, 16, 4, 8, 8)  # 4 latent frames -> 13 frames of 64x64
+    with torch.no_grad():
+        stock = vae.decode(z).sample
+        try:
+            outs = {}
+            for k in (1, 2, 0):
+                set_decode_chunk(vae, k)
+                outs[k] = vae.decode(z).sample
+        finally:
+            set_decode_chunk(vae, 1)
+    assert stock.shape == (1, 3, 13, 64, 64)
+    for k, out in outs.items():
+        assert out.shape == stock.shape and torch.allclose(out, stock, atol=1e-5), k
+
+
+def test_mp4_encoding_is_reproducible() -> None:
+    """The same frames give the same MP4 bytes (one encoder thread), which decode back to the frames closely."""
+    import io
+
+    import av
+    import numpy as np
+
+    from stepwatch.exporter.sidecar.client import decode_mp4
+    from stepwatch.service.video import encode_mp4, to_uint8
+
+    rng = np.random.default_rng(0)
+    frames, bad = to_uint8(rng.random((9, 32, 48, 3)).astype(np.float32) * 0.5 + 0.25)
+    assert bad == 0 and frames.dtype == np.uint8
+    a, b = encode_mp4(frames, 16), encode_mp4(frames, 16)
+    assert a == b and a[4:8] == b"ftyp"
+    with av.open(io.BytesIO(a)) as f:
+        assert f.streams.video[0].codec_context.name == "h264"
+    back = decode_mp4(a)
+    assert len(back) == 9 and back[0].shape == (32, 48, 3)
+    _frames, nonfinite = to_uint8(np.concatenate([np.zeros((1, 4, 4, 3)), np.full((1, 4, 4, 3), np.nan)]))
+    assert nonfinite == 2
