@@ -259,3 +259,13 @@ def past_limit(value_sel: str, expected_sel: str, factor: float, floor: float) -
     """``value`` where it passed ``floored_multiple`` of ``expected`` (same label sets): a duration against
     its prediction."""
     return f"{value_sel} > {floored_multiple(expected_sel, factor, floor)}"
+
+
+def stage_share(window: str, stages: str, by: str = "", *matchers: str) -> str:
+    """Seconds in the stages matching the regex ``stages`` / request seconds, over the window, per ``by``.
+
+    The text encoder and the VAE run once per request whatever the steps, so their share is what a
+    few-step model changes most (seeds: 2.6% of a 28-step FLUX.1-dev request, 15.6% of a 4-step one)."""
+    stage = sum_rate(sel("stepwatch_pipeline_stage_duration_seconds_sum", *matchers, f'stage=~"{stages}"'), window, by)
+    request = sum_rate(sel("stepwatch_pipeline_request_duration_seconds_sum", *matchers), window, by)
+    return f"  {stage}\n/\n  {request}"

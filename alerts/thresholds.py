@@ -111,6 +111,8 @@ class Thresholds:
     runbook_base_url: str = ""
     job_regex: str = "stepwatch.*"
     diagnosis: dict[str, float | str] = field(default_factory=dict)  # numbers only runbook checks use
+    # A request of at most this many steps with one CFG branch is few-step (a distilled model's): ``few_step``
+    few_step_max_steps: int = 4
 
     def alert(self, key: str) -> AlertSpec:
         try:
@@ -164,7 +166,18 @@ def parse(data: Any, source: str = "<data>") -> Thresholds:
         re.compile(job_regex)
     except re.error as e:
         raise ThresholdsError(f"job_regex: {job_regex!r} is not a regular expression ({e})") from None
-    return Thresholds(profiles, quality, alerts, source, base, job_regex, _diagnosis(data.get("diagnosis") or {}))
+    return Thresholds(profiles, quality, alerts, source, base, job_regex, _diagnosis(data.get("diagnosis") or {}),
+                      _few_step(data.get("few_step")))
+
+
+def _few_step(raw: Any) -> int:
+    """``few_step.max_steps``: the most steps a few-step (distilled) request runs; absent: 4 (FLUX.1-schnell)."""
+    if raw is None:
+        return 4
+    steps = _need(raw, "max_steps", "few_step")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
+        raise ThresholdsError(f"few_step.max_steps: {steps!r} is not a whole number of steps in 1..100")
+    return steps
 
 
 def _profiles(raw: Any) -> dict[str, Profile]:

@@ -34,6 +34,7 @@ from stepwatch.alerts.promql import (
     ratio_to_fastest,
     sel,
     since,
+    stage_share,
     sum_increase,
     sum_rate,
 )
@@ -459,13 +460,99 @@ def _gpu_clock_and_error_panels(b: Board) -> None:
            "GPU {{gpu}} read errors")], bars=True, min_=0)
 
 
+# ----- video jobs and few-step serving ------------------------------------------------------------
+
+def video_row(b: Board) -> None:
+    pool = sel("stepwatch_video_jobs_finished_total", INST, F_POOL)
+    b.row("Video jobs")
+    b.timeseries(
+        b.th.alert("video_jobs_failing").panel, """Video jobs that ended per interval, by pool and outcome
+        (succeeded, failed, cancelled). Healthy: no failed. A job fails after its 202, so no HTTP error shows it;
+        its error code says why (out_of_memory, worker_died, timeout).""", "short",
+        [T(sum_increase(pool, RATE, "job, instance, pool, outcome"), "{{pool}} {{outcome}} @ {{instance}}")],
+        alerts=["video_jobs_failing"], bars=True, min_=0, decimals=0, no_value="0")
+    slo = sel("stepwatch_queue_slo_seconds", INST, F_POOL)
+    b.timeseries(
+        "Video jobs in flight and the oldest job's age", """Video jobs queued and running (left), and the
+        age of the oldest one still in flight against the pool's SLO (dashed). Healthy: a few jobs, the oldest
+        younger than the SLO. A growing backlog with the oldest job ageing = under-provisioned pool or a
+        stuck worker.""", "s",
+        [T(sel("stepwatch_video_oldest_job_age_seconds", INST, F_POOL), "{{pool}} oldest job @ {{instance}}"),
+         T(f"{slo} and on (job, instance, pool) {sel('stepwatch_video_oldest_job_age_seconds', INST, F_POOL)}",
+           "{{pool}} SLO", "ref"),
+         T(sel("stepwatch_video_jobs_depth", INST, F_POOL), "{{pool}} {{state}} jobs")], min_=0)
+    dur = sel("stepwatch_video_job_duration_seconds_bucket", INST, F_POOL)
+    b.timeseries(
+        "Video job time and time per frame", """Creation to completion of succeeded jobs (p50, p99: queue,
+        generation and encoding) and seconds per delivered frame. Healthy: p99 under the pool's SLO; seconds per
+        frame flat for a fixed mix (a video's cost is fixed at admission by size, frames, steps and CFG).""",
+        "s",
+        [T(quantile(0.5, dur, RATE, "pool"), "{{pool}} p50"), T(quantile(0.99, dur, RATE, "pool"), "{{pool}} p99"),
+         T(ratio_of_rates(sel("stepwatch_video_job_duration_seconds_sum", INST, F_POOL),
+                          sel("stepwatch_video_frames_total", INST, F_POOL), RATE, "pool"), "{{pool}} per frame")],
+        min_=0, span=24, height=6)
+
+
+def distilled_row(b: Board) -> None:
+    b.row("Few-step (distilled) serving")
+    b.timeseries(
+        b.th.alert("cache_on_distilled").panel, f"""Cache hits on few-step requests (at most
+        {b.th.few_step_max_steps} steps, no CFG: a distilled model's) per interval, by shape and cache. Healthy:
+        none, ever: a distilled model moves the latent a long way every step, and a reused step blurs or breaks
+        the output. No baseline is needed to read it.""", "short",
+        [T(events(sel("stepwatch_cache_few_step_hits_total", INST, F_SHAPE), RATE, by="job, instance, shape, cache"),
+           "{{shape}} {{cache}} @ {{instance}}")],
+        alerts=["cache_on_distilled"], bars=True, min_=0, decimals=0, no_value="0")
+    b.timeseries(
+        "Text encoder + VAE share of request time, by shape", """Seconds in text_encode and vae_decode as a
+        share of the request. They run once per request whatever the steps, so few-step models make them
+        visible: the seeds measure 2.6% of a 28-step FLUX.1-dev request and 15.6% of a 4-step schnell one.
+        Healthy: stable per shape; on a few-step shape, these stages are where the next speed-up is.""",
+        "percentunit", [T(stage_share(RATE, "text_encode|vae_decode", "job, instance, shape", INST, F_SHAPE),
+                          "{{shape}} @ {{instance}}")], min_=0, max_=1)
+    b.timeseries(
+        "Denoising FLOPs per request, by shape (ledger)", """Nominal denoising FLOPs of one request: steps x CFG
+        branches x one forward, from the FLOPs ledger. Guidance distillation halves it (g = 1), few steps
+        divide it: FLUX.1-dev 1024² 2.08 PFLOP (28 steps, g = 1), schnell 0.30 PFLOP (4 steps). Healthy:
+        constant per shape.""", "flops",
+        [T(ratio_of_rates(sel("stepwatch_ledger_flops_total", INST, F_SHAPE),
+                          sel("stepwatch_pipeline_request_duration_seconds_count", INST, F_SHAPE), RATE,
+                          "job, instance, shape"), "{{shape}} @ {{instance}}")], min_=0, span=24, height=6)
+
+
+def video_quality_row(b: Board) -> None:
+    qs = b.th.alert("quality_ssim")
+    worst = 'stat=~"min|p10"'
+    ssim, gate = "stepwatch_quality_ssim_ratio", f'({sel("stepwatch_quality_ssim_gate_ratio", INST)} > 0)'
+    b.row("Video quality (worst frame)")
+    b.timeseries(
+        qs.panel, f"""SSIM of the probe set's worst frame (stat min: the worst frame of a video set, scored
+        frame by frame against the baseline) and p10, per probe set and target instance, with the set's SSIM
+        gate (dashed; video {num(b.th.quality.ssim_gate.get('video', 0))} by the seeds). Healthy: the worst frame
+        above the gate. Only sets with an SSIM gate (video and high-quality sets) are alerted on.""", "none",
+        [T(f"{sel(ssim, INST, worst)} and on (job, instance, probe_set) {gate}",
+           "{{probe_set}} {{stat}} ({{instance_id}})"),
+         T(f"{gate} - {num(qs.threshold)}", "{{probe_set}} SSIM gate", "limit")],
+        alerts=["quality_ssim"], decimals=3)
+    psnr, pgate = "stepwatch_quality_psnr_decibels", sel("stepwatch_quality_gate_decibels", INST)
+    video = f'({sel("stepwatch_quality_ssim_gate_ratio", INST)} > 0)'  # the sets with an SSIM gate
+    b.timeseries(
+        "Probe PSNR worst frame vs gate, video sets", f"""PSNR of the worst frame and p10 over the frames of
+        video probe sets, with the set's PSNR gate (video {num(b.th.quality.video_psnr_gate_db)} dB by the
+        seeds, dashed). Healthy: above the gate; the PSNR alert reads p10 (gate -
+        {num(b.th.quality.alert_margin_db)} dB), the SSIM alert the worst frame.""", "dB",
+        [T(f"{sel(psnr, INST, worst)} and on (job, instance, probe_set) {video}",
+           "{{probe_set}} {{stat}} ({{instance_id}})"),
+         T(f"{pgate} and on (job, instance, probe_set) {video}", "{{probe_set}} gate", "ref")])
+
+
 # ----- the board ----------------------------------------------------------------------------------
 
 # Each subsystem's rows, in the order they appear; the subsystems in SUBSYSTEMS order.
 ROWS: dict[str, list[Row]] = {
-    "service": [traffic_row, queue_row],
-    "pipeline": [denoising_row, compile_row, cache_row, ranks_row, memory_row],
-    "quality": [quality_row],
+    "service": [traffic_row, queue_row, video_row],
+    "pipeline": [denoising_row, compile_row, cache_row, distilled_row, ranks_row, memory_row],
+    "quality": [quality_row, video_quality_row],
     "monitoring": [health_row],
 }
 

@@ -81,6 +81,9 @@ class InstrumentOptions:
     rank_reporter: Any = None  # see stepwatch.exporter.ranks; None: single rank
     memory: MemoryProbe | None = None  # default: from the pipeline's device
     clock: Clock | None = None  # default: from the pipeline's device
+    # The most steps a request without CFG may run and still be few-step (a distilled model's, whose cache must
+    # never hit); None: ``few_step.max_steps`` of the packaged alerts/thresholds.yaml.
+    few_step_max_steps: int | None = None
 
 
 class _Guard:
@@ -110,6 +113,12 @@ def _versions() -> dict[str, str]:
         return {"torch": torch.__version__, "diffusers": diffusers.__version__}
     except Exception:
         return {}
+
+
+def _default_few_step() -> int:
+    from stepwatch.alerts.thresholds import load  # YAML only: no torch, no Prometheus
+
+    return load().few_step_max_steps
 
 
 def _cuda_peak_flops(device: str) -> float | None:
@@ -158,6 +167,7 @@ class Instrumentation:
         self._find_cache = caches.CacheFinder()
         self._components_key: tuple[int, ...] = ()
         self.peak_flops = options.peak_flops
+        self.few_step_max_steps = options.few_step_max_steps or _default_few_step()
         if options.rank_reporter is not None:
             options.rank_reporter.bind(self.metrics)
         self._setup_static()
@@ -370,6 +380,9 @@ class Instrumentation:
 
     def _record_failure(self, req: RequestMarks, exc: BaseException) -> None:
         req.error = f"{type(exc).__name__}: {exc}"[:500]
+        if getattr(exc, "stepwatch_outcome", None) == "cancelled":  # the host stopped it on purpose: no error
+            req.outcome = "cancelled"
+            return
         if not is_oom(exc):
             req.outcome = "error"
             return
@@ -401,6 +414,10 @@ class Instrumentation:
             return
         report = self.last_report = r.report
         self._guarded("emit.metrics", self.publisher.publish, report)
+        if report.shape is not None and report.shape.few_step(self.few_step_max_steps):
+            report.extra["few_step"] = True
+            if phase == "serving":  # warm-up forces hits on purpose (compiling the cache's path)
+                self._guarded("emit.few_step", self.publisher.few_step_hits, report)
         if self._tracer is not None:  # the step bounds are built only for spans
             self._guarded("emit.spans", spans.emit, self._tracer, report, req.parent_ctx, r.stage_bounds,
                           r.step_bounds)

@@ -93,6 +93,19 @@ class LedgerModel:
         return flops
 
 
+    def request_flops(self, height: int, width: int, frames: int | None, vae_spatial: int, vae_temporal: int,
+                      text_tokens: int, steps: int, branches: int = 1) -> float:
+        """Nominal denoising FLOPs of one request: steps x CFG branches x one forward.
+
+        What distillation changes is in the two factors: a guidance-distilled model (FLUX.1-dev embeds the
+        guidance scale) runs one branch per step (g = 1), a few-step model (FLUX.1-schnell) 4 steps instead of
+        28.  At 1024^2: FLUX.1-dev 28 x 1 x 74.3 T = 2.08 PFLOP, schnell 4 x 74.3 T = 0.30 PFLOP.
+        """
+        n, n_txt = self.tokens(height, width, frames, vae_spatial, vae_temporal, text_tokens)
+        n_img = self.tokens(height, width, frames, vae_spatial, vae_temporal, 0)[0]
+        return steps * branches * self.forward_flops(n, n_txt, n_img)
+
+
 def _cfg(transformer: Any) -> dict[str, Any]:
     cfg = getattr(transformer, "config", None)
     return dict(cfg) if cfg is not None else {}

@@ -116,6 +116,13 @@ class Publisher:
         if r.mfu is not None:
             c.mfu.set(r.mfu)
 
+    def few_step_hits(self, r: RequestReport) -> None:
+        """Cache hits of a few-step (distilled) request: each one is a misconfiguration, counted on its own so
+        no baseline is needed to see it."""
+        hits = r.hits
+        if hits and r.cache:
+            self.metrics.cache_few_step_hits_total.labels(shape=r.shape_label, cache=r.cache).inc(hits)
+
     def compile(self, shape: str, phase: str, seconds: float) -> None:
         self.metrics.compile_total.labels(shape=shape, phase=phase).inc()
         self.metrics.compile_duration_seconds.labels(shape=shape, phase=phase).observe(seconds)

@@ -19,7 +19,7 @@ class CompileEvent:
 class RequestReport:
     shape: ShapeKey | None
     shape_label: str
-    outcome: str  # ok | error | oom
+    outcome: str  # ok | error | oom | cancelled
     seconds: float
     stages: dict[str, float]  # text_encode, denoise, vae_decode
     step_seconds: list[float]

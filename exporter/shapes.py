@@ -29,6 +29,12 @@ class ShapeKey:
         f = f"x{self.frames}" if self.frames else ""
         return f"{self.width}x{self.height}{f}_{self.steps}s" + ("_cfg" if self.cfg else "")
 
+    def few_step(self, max_steps: int) -> bool:
+        """A distilled model's request: at most ``max_steps`` steps and no CFG (thresholds' ``few_step``).
+
+        A cross-step cache must never hit on one: with so few steps every step moves the latent a long way."""
+        return not self.cfg and self.steps <= max_steps
+
     @classmethod
     def parse(cls, text: str) -> ShapeKey:
         m = _SHAPE_RE.match(text.strip())

@@ -71,13 +71,19 @@ def pipeline_cpu_wait(window: str) -> str:
     return sum_rate("stepwatch_pipeline_cpu_wait_seconds_total", window)
 
 
+def few_step_hits() -> str:
+    """Cache hits on few-step requests so far, all shapes (the cache-on-distilled drill: the exporter counted them)."""
+    return agg("sum", "stepwatch_cache_few_step_hits_total")
+
+
 def drill_queries(window: str) -> dict[str, str]:
     """Every query the drills and the baseline calibration run, by name, for one rate window."""
     out = {"mean_step": mean_step(window), "step_by_shape": step_by_shape(window),
            "hit_ratio_by_shape": hit_ratio_by_shape(window), "psnr_p10": psnr_p10(),
            "quality_gate": quality_gate(), "estimated_wait": estimated_wait(),
            "service_requests": service_requests(), "rank_stuck": rank_stuck_outside_collectives(),
-           "rank_busy_ratio": rank_busy_ratio(window), "pipeline_cpu_wait": pipeline_cpu_wait(window)}
+           "rank_busy_ratio": rank_busy_ratio(window), "pipeline_cpu_wait": pipeline_cpu_wait(window),
+           "few_step_hits": few_step_hits()}
     for name, q in LATENCY_QUANTILES.items():
         out[f"request_{name}"] = request_quantile(q, window)
     return out

@@ -42,10 +42,16 @@ class GenerationRequest:
     steps: int
     guidance_scale: float
     seed: int
+    frames: int = 1  # > 1: a video job (the video pipeline)
+    job: int = 0  # a video job's sequence number, which its cancellation names (0: not a job)
 
     @property
     def size(self) -> str:
         return f"{self.width}x{self.height}"
+
+    @property
+    def is_video(self) -> bool:
+        return self.frames > 1
 
     @property
     def cfg(self) -> bool:
@@ -54,7 +60,8 @@ class GenerationRequest:
     @property
     def shape(self) -> str:
         """The exporter's shape key for this request (width first, as ``size``)."""
-        return f"{self.width}x{self.height}_{self.steps}s" + ("_cfg" if self.cfg else "")
+        frames = f"x{self.frames}" if self.is_video else ""
+        return f"{self.width}x{self.height}{frames}_{self.steps}s" + ("_cfg" if self.cfg else "")
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value", status: int = 400) -> ApiError:
@@ -85,7 +92,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
+def _prompt(body: dict[str, Any]) -> str:
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("'prompt' is required", "prompt", "missing_required_parameter")
     prompt = body["prompt"]
@@ -99,6 +106,27 @@ def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
         raise _bad("'prompt' is not valid Unicode text (it contains a lone surrogate)", "prompt") from None
     if len(prompt) > MAX_PROMPT_CHARS:
         raise _bad(f"'prompt' is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}", "prompt")
+    return prompt
+
+
+def _guidance(body: dict[str, Any], default: float = 1.0) -> float:
+    gs = body.get("guidance_scale", default)
+    if gs is None:
+        gs = default
+    if isinstance(gs, bool) or not isinstance(gs, (int, float)):
+        raise _bad(f"'guidance_scale' must be a number, got {type(gs).__name__}", "guidance_scale", "invalid_type")
+    if not 0.0 <= gs <= 30.0:
+        raise _bad(f"'guidance_scale' must be between 0 and 30, got {gs}", "guidance_scale")
+    return float(gs)
+
+
+def _seed(body: dict[str, Any]) -> int:
+    seed = body.get("seed")
+    return random.randrange(2**32) if seed is None else _int(body, "seed", 0, 0, 2**32 - 1)
+
+
+def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
+    prompt = _prompt(body)
     n = _int(body, "n", 1, 1, cfg.max_n)
     fmt = body.get("response_format", "b64_json")
     if fmt is None:
@@ -120,13 +148,38 @@ def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
         raise _bad(f"'size' {size!r} is over the maximum ({cfg.max_side} px per side, "
                    f"{cfg.max_pixels} pixels)", "size", "size_too_large")
     steps = _int(body, "steps", cfg.default_steps, 1, cfg.max_steps)
-    gs = body.get("guidance_scale", 1.0)
-    if gs is None:
-        gs = 1.0
-    if isinstance(gs, bool) or not isinstance(gs, (int, float)):
-        raise _bad(f"'guidance_scale' must be a number, got {type(gs).__name__}", "guidance_scale", "invalid_type")
-    if not 0.0 <= gs <= 30.0:
-        raise _bad(f"'guidance_scale' must be between 0 and 30, got {gs}", "guidance_scale")
-    seed = body.get("seed")
-    seed = random.randrange(2**32) if seed is None else _int(body, "seed", 0, 0, 2**32 - 1)
-    return GenerationRequest(prompt, n, width, height, steps, float(gs), seed)
+    return GenerationRequest(prompt, n, width, height, steps, _guidance(body), _seed(body))
+
+
+VIDEO_FIELDS = ("prompt", "size", "frames", "steps", "guidance_scale", "seed", "model")
+
+
+def validate_video(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
+    """A ``POST /v1/videos`` body: prompt, size (one of the video sizes), frames (4k+1, up to the limit),
+    steps, guidance_scale, seed.  An unknown field is refused (a typo would silently change the video)."""
+    v = cfg.video
+    for k in body:
+        if k not in VIDEO_FIELDS:
+            raise _bad(f"unknown field {k!r}; a video job takes {', '.join(VIDEO_FIELDS)}", str(k), "unknown_parameter")
+    prompt = _prompt(body)
+    size = body.get("size") if body.get("size") is not None else v.default_size
+    if not isinstance(size, str):
+        raise _bad(f"'size' must be a string like '{v.default_size}', got {type(size).__name__}", "size",
+                   "invalid_type")
+    if size.lower() not in v.sizes:
+        raise _bad(f"'size' {size!r} is not a video size this service serves ({', '.join(v.sizes)})", "size",
+                   "unknown_size")
+    width, height = (int(x) for x in size.lower().split("x"))
+    frames = _int(body, "frames", v.default_frames, 1, 100_000)
+    if (frames - 1) % 4:
+        raise _bad(f"'frames' must be 4k+1 (1, 5, 9, ..., {v.max_frames}), got {frames}: the VAE compresses time "
+                   "4x after the first frame", "frames", "invalid_frames")
+    if frames > v.max_frames:
+        raise _bad(f"'frames' {frames} is more than this service generates ({v.max_frames})", "frames",
+                   "too_many_frames")
+    if frames < 5:
+        raise _bad("'frames' must be at least 5 for a video (1 frame is an image: use /v1/images/generations)",
+                   "frames", "invalid_frames")
+    steps = _int(body, "steps", v.default_steps, 1, v.max_steps)
+    return GenerationRequest(prompt, 1, width, height, steps, _guidance(body, v.guidance_scale), _seed(body),
+                             frames=frames)

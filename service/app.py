@@ -1,6 +1,7 @@
 """The practice service's HTTP API: FastAPI, served by uvicorn (the stack vLLM and SGLang serve on).
 
-Endpoints: ``POST /v1/images/generations`` (OpenAI's images API), ``GET /healthz``,
+Endpoints: ``POST /v1/images/generations`` (OpenAI's images API), video jobs (``POST /v1/videos``,
+``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content``, ``DELETE /v1/videos/{id}``), ``GET /healthz``,
 ``/readyz``, ``/metrics``, ``/v1/stepwatch/info``, ``POST /admin/knobs`` (only
 with an admin token, loopback only) and ``GET /openapi.json``.
 
@@ -100,7 +101,9 @@ class ErrorBody(BaseModel):
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text} for code, text in (
-        (400, "bad input; ``param`` names the field"), (411, "no Content-Length"), (413, "body too large"),
+        (400, "bad input; ``param`` names the field"), (404, "no such path, or no such video job"),
+        (409, "the video job has no video (yet): its status is in the message"),
+        (411, "no Content-Length"), (413, "body too large"),
         (429, "the pool is overloaded (Retry-After)"), (503, "warming up or the worker died (Retry-After)"),
         (504, "generation timed out"), (507, "out of memory: the stage, the shape and the fix"))}
 IMAGES_BODY = {"requestBody": {"required": True, "content": {
@@ -213,6 +216,75 @@ async def generations(request: Request) -> Response:
         status = 499  # the client went away before the answer
     svc.count(pool, status, t0)
     return response
+
+
+class VideosRequest(BaseModel):
+    """``POST /v1/videos``: a job is queued and answered at once (202) with its id."""
+
+    prompt: str = Field(min_length=1, max_length=api.MAX_PROMPT_CHARS)
+    size: str | None = Field(None, description="one of the service's video sizes (GET /v1/stepwatch/info)")
+    frames: int | None = Field(None, description="4k+1 frames (5, 9, ..., up to video.max_frames)")
+    steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0.0, le=30.0, description="> 1 runs CFG (default: none)")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+
+
+VIDEOS_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": VideosRequest.model_json_schema()}}}}
+VIDEO_POOL = "video"
+
+
+@router.post("/v1/videos", status_code=202, responses=ERRORS, openapi_extra=VIDEOS_BODY)
+async def create_video(request: Request) -> Response:
+    """Queue a video job; the answer (202, at once) is the job with its id: poll GET /v1/videos/{id}."""
+    svc = _service(request)
+    t0 = time.monotonic()
+    try:
+        body = api.parse_json(await _read_body(request))
+        job = await _in_thread(request, svc.submit_video, body)
+        response: Response = AsciiJSON(job, 202, {"Location": f"/v1/videos/{job['id']}"})
+        status = 202
+    except ClientGone:
+        status, response = 499, Response(status_code=499)
+    except api.ApiError as e:
+        status, response = e.status, _error(e)
+    except Exception as e:  # never take the instance down for one request
+        log.exception("unexpected error creating a video job")
+        status, response = 500, _error(_internal(e))
+    svc.count(VIDEO_POOL, status, t0)
+    return response
+
+
+async def _video_call(request: Request, fn: Callable[..., Any], *args: Any) -> Response:
+    try:
+        out = await _in_thread(request, fn, *args)
+    except api.ApiError as e:
+        return _error(e)
+    except Exception as e:
+        log.exception("video job request failed")
+        return _error(_internal(e))
+    if isinstance(out, tuple):
+        content, media = out
+        return Response(content, media_type=media, headers={"Content-Disposition": f'inline; filename="{args[0]}.mp4"'})
+    return AsciiJSON(out)
+
+
+@router.get("/v1/videos/{job_id}", responses=ERRORS)
+async def get_video(request: Request, job_id: str) -> Response:
+    """The job: status (queued, running, succeeded, failed, cancelled), step k of n, errors, timings."""
+    return await _video_call(request, _service(request).video, job_id)
+
+
+@router.get("/v1/videos/{job_id}/content", responses=ERRORS)
+async def get_video_content(request: Request, job_id: str) -> Response:
+    """The finished job's video (MP4, H.264); 409 while it has none."""
+    return await _video_call(request, _service(request).video_content, job_id)
+
+
+@router.delete("/v1/videos/{job_id}", responses=ERRORS)
+async def cancel_video(request: Request, job_id: str) -> Response:
+    """Cancel a job in flight: queued, it never runs; running, it stops after its current step."""
+    return await _video_call(request, _service(request).cancel_video, job_id)
 
 
 @router.post("/admin/knobs", responses=ERRORS)

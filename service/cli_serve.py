@@ -1,4 +1,4 @@
-"""``stepwatch serve``: the practice inference service, an OpenAI-style image API.
+"""``stepwatch serve``: the practice inference service, an OpenAI-style image API and asynchronous video jobs.
 
 One HTTP process (validation, per-pool queues, admission, metrics) in front of
 one worker process that runs the instrumented diffusers pipeline under a

@@ -60,6 +60,34 @@ class CacheConfig:
 
 
 @dataclass
+class VideoConfig:
+    """Asynchronous video jobs (``POST /v1/videos``) on a tiny offline WanPipeline beside the image pipeline.
+
+    The practice video model is a few-step (distilled) one, as FastWan is: by default 4 steps without CFG, and
+    so no cross-step cache (a cache must never hit on a distilled model).  Its jobs wait in their own pool
+    ("video", with its own SLO) of the one queue, served by the same worker between image requests.
+    """
+
+    enabled: bool = True  # served only with ranks: 1 (the video pipeline is not sequence-parallel here)
+    model: str | None = None  # a diffusers Wan model directory; None: the tiny offline one
+    sizes: list[str] = field(default_factory=lambda: ["128x128", "256x256"])  # any other size: 400
+    default_size: str = "128x128"
+    default_frames: int = 9
+    max_frames: int = 121  # frames are 4k+1 (Wan's VAE: 4x temporal); the tiny model's rope covers 32 latent frames
+    default_steps: int = 4
+    max_steps: int = 50
+    guidance_scale: float = 1.0  # the default: no CFG (a distilled model); > 1 runs CFG
+    fps: int = 16
+    slo_seconds: float = 60.0
+    max_wait_seconds: float = 120.0
+    max_jobs: int = 256  # jobs remembered (in flight and finished); the oldest finished ones are forgotten first
+    keep_seconds: float = 900.0  # a finished job's video can be downloaded this long
+    decode_chunk_frames: int = 4  # latent frames per VAE decoder call (frame-chunked decode); 0: the whole clip
+    cache: CacheConfig = field(default_factory=lambda: CacheConfig(kind="none", threshold=0.5))
+    warmup: bool = True  # one default job at start (its shape then serves warm)
+
+
+@dataclass
 class QueueConfig:
     policy: str = "spf"  # spf: shortest predicted first, with aging; fifo
     aging: float = 1.0  # seconds of priority gained per second waited
@@ -92,6 +120,7 @@ class ServiceConfig:
     pools: list[PoolConfig] = field(default_factory=list)
     other_pool: PoolConfig = field(default_factory=lambda: PoolConfig("other", [], 60.0, 120.0))
     queue: QueueConfig = field(default_factory=QueueConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
     admin_token: str | None = None
     ranks: int = 1
     # With ranks: each rank gets its own slice of this process's CPUs, as each rank of a GPU service has its
@@ -113,7 +142,27 @@ class ServiceConfig:
         return self.other_pool
 
     def all_pools(self) -> list[PoolConfig]:
-        return [*self.pools, self.other_pool]
+        return [*self.pools, self.other_pool, *([self.video_pool()] if self.video_active else [])]
+
+    @property
+    def video_active(self) -> bool:
+        """Video jobs are served: enabled, and one rank (the video pipeline does not run sequence-parallel)."""
+        return self.video.enabled and self.ranks == 1
+
+    def video_pool(self) -> PoolConfig:
+        v = self.video
+        return PoolConfig(VIDEO_POOL, list(v.sizes), v.slo_seconds, v.max_wait_seconds)
+
+    def video_serving_shapes(self) -> list[str]:
+        """The video pipeline's label allowlist: every video size at its default frames and steps, CFG off and
+        on (``WxHxF_<steps>s[_cfg]``)."""
+        v = self.video
+        out = []
+        for s in v.sizes:
+            w, h = parse_size(s)
+            base = f"{w}x{h}x{v.default_frames}_{v.default_steps}s"
+            out += [base, base + "_cfg"]
+        return sorted(set(out))
 
     def serving_shapes(self) -> list[str]:
         """The exporter's label allowlist: every pool size at the default steps, CFG off and on, and the
@@ -141,6 +190,9 @@ class ServiceConfig:
         other = d["other_pool"]
         d["other_pool"] = {"slo_seconds": other["slo_seconds"], "max_wait_seconds": other["max_wait_seconds"]}
         return d
+
+
+VIDEO_POOL = "video"  # the pool of video jobs (a label value); image pools may not take the name
 
 
 def _check_type(value: Any, typ: type | tuple[type, ...], key: str) -> Any:
@@ -179,6 +231,7 @@ def parse(raw: Any) -> ServiceConfig:
         "cache": _section(CacheConfig, raw.pop("cache", None), "cache"),
         "queue": _section(QueueConfig, raw.pop("queue", None), "queue"),
     }
+    nested["video"] = _video(raw.pop("video", None))
     pools_raw = raw.pop("pools", None) or {}
     other_raw = raw.pop("other_pool", None)
     cfg = ServiceConfig(**raw, **nested)
@@ -194,6 +247,20 @@ def parse(raw: Any) -> ServiceConfig:
     return cfg
 
 
+def _video(raw: Any) -> VideoConfig:
+    """The ``video`` section; its ``cache`` is a nested section of its own."""
+    if raw is None:
+        return VideoConfig()
+    if not isinstance(raw, dict):
+        raise ConfigError("video: expected a mapping")
+    raw = dict(raw)
+    cache = _section(CacheConfig, raw.pop("cache", None), "video.cache") if "cache" in raw else None
+    v: VideoConfig = _section(VideoConfig, raw, "video")
+    if cache is not None:
+        v.cache = cache
+    return v
+
+
 def _pool(name: str, p: Any, key: str) -> PoolConfig:
     if not isinstance(p, dict):
         raise ConfigError(f"{key}: expected a mapping with sizes and slo_seconds")
@@ -202,6 +269,8 @@ def _pool(name: str, p: Any, key: str) -> PoolConfig:
             raise ConfigError(f"{key}.{k}: unknown key")
     if not re.match(r"^[a-z][a-z0-9_]{0,31}$", name):
         raise ConfigError(f"{key}: pool names are lowercase identifiers (a label value)")
+    if key.startswith("pools.") and name == VIDEO_POOL:
+        raise ConfigError(f"{key}: 'video' is reserved for the pool of video jobs (configure it under video)")
     if key.startswith("pools.") and name == "other":
         raise ConfigError(f"{key}: 'other' is reserved for the pool of unlisted sizes (configure it as other_pool)")
     sizes = p.get("sizes", [])
@@ -228,6 +297,7 @@ def validate(cfg: ServiceConfig) -> None:
     _check_compile_and_cache(cfg)
     _check_queue(cfg)
     _check_sizes(cfg)
+    _check_video(cfg)
     if cfg.admin_token is not None and (not isinstance(cfg.admin_token, str) or len(cfg.admin_token) < 8):
         raise ConfigError("admin_token: must be a string of at least 8 characters (or null: admin off)")
 
@@ -326,6 +396,44 @@ def _check_sizes(cfg: ServiceConfig) -> None:
             if s in seen:
                 raise ConfigError(f"pools.{p.name}.sizes: {s} is in two pools")
             seen.add(s)
+
+
+def _check_video(cfg: ServiceConfig) -> None:
+    """The video section: frames 4k+1, sizes the video pipeline serves, limits that admit the defaults."""
+    v = cfg.video
+    _check_type(v.enabled, bool, "video.enabled")
+    _check_type(v.warmup, bool, "video.warmup")
+    if v.model is not None and not (Path(v.model) / "model_index.json").is_file():
+        raise ConfigError(f"video.model: {v.model} is not a diffusers model directory (no model_index.json)")
+    if not isinstance(v.sizes, list) or not v.sizes:
+        raise ConfigError("video.sizes: expected a non-empty list of WxH sizes")
+    v.sizes = ["{}x{}".format(*parse_size(s, f"video.sizes[{i}]")) for i, s in enumerate(v.sizes)]
+    v.default_size = "{}x{}".format(*parse_size(v.default_size, "video.default_size"))
+    if v.default_size not in v.sizes:
+        raise ConfigError(f"video.default_size: {v.default_size} is not one of video.sizes ({', '.join(v.sizes)})")
+    for key in ("default_frames", "max_frames", "default_steps", "max_steps", "fps", "max_jobs",
+                "decode_chunk_frames"):
+        _check_type(getattr(v, key), int, f"video.{key}")
+    for key in ("default_frames", "max_frames"):
+        n = getattr(v, key)
+        if n < 1 or (n - 1) % 4:
+            raise ConfigError(f"video.{key}: {n} is not 4k+1 frames (1, 5, 9, ...: the VAE compresses time 4x)")
+    if v.default_frames > v.max_frames:
+        raise ConfigError(f"video.default_frames: {v.default_frames} is above video.max_frames {v.max_frames}")
+    if not 1 <= v.default_steps <= v.max_steps:
+        raise ConfigError(f"video.default_steps: must be within 1..video.max_steps ({v.max_steps})")
+    if v.fps < 1 or v.max_jobs < 1 or v.decode_chunk_frames < 0:
+        raise ConfigError("video: fps and max_jobs must be >= 1, decode_chunk_frames >= 0 (0: the whole clip)")
+    for key in ("guidance_scale", "slo_seconds", "max_wait_seconds", "keep_seconds"):
+        _check_type(getattr(v, key), (int, float), f"video.{key}")
+    if not 0 <= v.guidance_scale <= 30:
+        raise ConfigError(f"video.guidance_scale: {v.guidance_scale} must be within 0..30")
+    if v.slo_seconds <= 0 or v.keep_seconds <= 0:
+        raise ConfigError("video.slo_seconds and video.keep_seconds: must be > 0")
+    if v.max_wait_seconds < v.slo_seconds / 2:
+        raise ConfigError(f"video.max_wait_seconds: {v.max_wait_seconds} is below SLO/2 = {v.slo_seconds / 2}")
+    if v.cache.kind not in CACHE_KINDS:
+        raise ConfigError(f"video.cache.kind: {v.cache.kind!r} is not one of {', '.join(CACHE_KINDS)}")
 
 
 def _servable(cfg: ServiceConfig, size: Any, key: str) -> None:

@@ -35,7 +35,8 @@ from stepwatch.metrics import MetricSet
 from stepwatch.service import api, knobs
 from stepwatch.service.config import PoolConfig, ServiceConfig, parse_size
 from stepwatch.service.fingerprint import fingerprint_id
-from stepwatch.service.messages import ReadyMsg, Reply, ResultMsg
+from stepwatch.service.jobs import Job, VideoJobs
+from stepwatch.service.messages import ProgressMsg, ReadyMsg, Reply, ResultMsg
 from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Scheduler, Ticket
 from stepwatch.service.stall import Busy, InFlight, StallPolicy, restart_due, stalled_seconds
 from stepwatch.service.worker_client import WorkerClient, WorkerDied, exit_text
@@ -46,6 +47,7 @@ CODES = ("200", "429", "500", "503", "507")  # created at 0 per pool: a pool's f
 # Knobs whose override of the start-up value triage asks about ("did someone change it?"): a value, not a
 # count of label sets, so a knob set and restored, or a restart, reads as unchanged.
 OVERRIDABLE = ("cache", "cache_threshold", "vae_tiling", "compile", "attention_backend")
+VIDEO_OVERRIDABLE = ("video_cache", "video_decode_chunk_frames")  # with video jobs on
 Answer = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, headers
 
 
@@ -130,7 +132,11 @@ class Service:
         self.predictor = Predictor()
         self.scheduler = Scheduler(cfg.all_pools(), self.predictor, cfg.queue.policy, cfg.queue.aging,
                                    cfg.queue.max_queued)
-        self.worker = WorkerClient(cfg, self.on_worker_ready, self._on_fatal, self.on_worker_died)
+        self.worker = WorkerClient(cfg, self.on_worker_ready, self._on_fatal, self.on_worker_died, self._on_progress)
+        self.videos: VideoJobs | None = None
+        if cfg.video_active:
+            self.videos = VideoJobs(cfg, self.m, self._cancel_running)
+            self.videos.on_result = self._video_result
         self.fingerprint: dict[str, Any] = {}
         self.knobs: dict[str, Any] = {}
         self.started_knobs: dict[str, Any] | None = None  # the knobs of the first ready worker: the deployment's
@@ -194,7 +200,7 @@ class Service:
         self.fingerprint = msg["fingerprint"]
         self.knobs = msg.get("knobs", {})
         if self.started_knobs is None:
-            self.started_knobs = {k: self.knobs.get(k) for k in OVERRIDABLE}
+            self.started_knobs = {k: self.knobs.get(k) for k in self._overridable()}
         lp = msg.get("ledger")
         if lp:
             pf, ph, pw = lp["patch"]
@@ -215,7 +221,8 @@ class Service:
         for w in msg.get("warmup", []):
             if w.get("run") == 1:
                 width, height = parse_size(w["size"])
-                req = api.GenerationRequest("", 1, width, height, self.cfg.warmup_steps, 1.0, 0)
+                req = api.GenerationRequest("", 1, width, height, w.get("steps", self.cfg.warmup_steps),
+                                            w.get("guidance_scale", 1.0), 0, frames=w.get("frames", 1))
                 for _ in range(3):
                     self.predictor.observe(req, w["seconds"], w.get("stages", {}))
 
@@ -237,6 +244,9 @@ class Service:
             return
         self.worker.start()
 
+    def _overridable(self) -> tuple[str, ...]:
+        return OVERRIDABLE + (VIDEO_OVERRIDABLE if self.cfg.video_active else ())
+
     def config_id(self) -> str:
         """The fingerprint plus every knob: changes with any runtime change (the fingerprint proper leaves out
         the lossy knobs, since quality baselines must stay comparable across them)."""
@@ -251,7 +261,7 @@ class Service:
         self.m.service_config.clear()
         self.m.service_config.info(info)
         started = self.started_knobs or {}
-        for k in OVERRIDABLE:
+        for k in self._overridable():
             self.m.service_knob_override_active.labels(knob=k).set(
                 int(k in started and self.knobs.get(k) != started[k]))
 
@@ -267,6 +277,8 @@ class Service:
                 self.scheduler.done(t)
                 self._update_gauges()
                 continue
+            if t.on_start is not None:
+                t.on_start()
             self._update_gauges()
             self.m.queue_wait_seconds.labels(pool=t.pool).observe(time.monotonic() - t.enqueued)
             try:
@@ -281,8 +293,8 @@ class Service:
         timeout = self.cfg.request_timeout_seconds
         self.inflight.start(t.pool, t.predicted)
         try:
-            reply = self._await_reply(self.worker.call({"op": "generate", "id": "", "request": t.request.__dict__}),
-                                      timeout)
+            reply = self._await_reply(
+                self.worker.call({"op": "generate", "id": t.call_id, "request": t.request.__dict__}), timeout)
             if not t.future.done():
                 t.future.set_result(reply)
         except _Stalled as e:
@@ -329,6 +341,8 @@ class Service:
             self._update_gauges()
 
     def _update_gauges(self) -> None:
+        if self.videos is not None:
+            self.videos.update_gauges()
         busy = self.inflight.busy()
         for pool, s in self.scheduler.snapshot().items():
             self.m.queue_depth.labels(pool=pool).set(s["depth"])
@@ -373,7 +387,7 @@ class Service:
         """The answer to an admitted request from the worker's reply; raises ApiError (507, 500)."""
         return self._answer(adm.req, adm.pool.name, adm.ticket, reply, adm.t0)
 
-    def _admit(self, req: api.GenerationRequest, pool: str) -> Ticket:
+    def _admit(self, req: api.GenerationRequest, pool: str, on_start: Any = None, call_id: str = "") -> Ticket:
         if self._stop.is_set():
             raise _server_error(503, "the service is shutting down", "shutting_down")
         if self.fatal is not None:
@@ -382,7 +396,7 @@ class Service:
             raise _server_error(503, "warming up (compiling the serving resolutions); retry shortly", "not_ready",
                                 {"Retry-After": "10"})
         try:
-            ticket = self.scheduler.submit(req, pool)
+            ticket = self.scheduler.submit(req, pool, on_start, call_id)
         except QueueFull as e:
             self.m.queue_rejected_total.labels(pool=pool).inc()
             raise api.ApiError(429, f"pool '{pool}' is overloaded: estimated wait {e.estimated_wait:.0f}s is past "
@@ -424,6 +438,60 @@ class Service:
             **({"ranks": reply["ranks"]} if reply.get("ranks") else {}),
         }
 
+    # ----- video jobs -------------------------------------------------------------------------
+    def _jobs(self) -> VideoJobs:
+        if self.videos is None:
+            why = "ranks > 1" if self.cfg.video.enabled else "video.enabled is false"
+            raise api.ApiError(404, f"video jobs are off on this service ({why})", None, "video_off")
+        return self.videos
+
+    def submit_video(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Validate and queue a video job; its view (status queued).  Raises ApiError (400, 429, 503)."""
+        jobs = self._jobs()
+        req = api.validate_video(body, self.cfg)
+        jobs.reserve()
+        job = jobs.submit(req, self._enqueue_video)
+        return job.view(time.monotonic())
+
+    def _enqueue_video(self, req: api.GenerationRequest, on_start: Any, call_id: str) -> Ticket:
+        return self._admit(req, self.cfg.video_pool().name, on_start=on_start, call_id=call_id)
+
+    def video(self, job_id: str) -> dict[str, Any]:
+        return self._jobs().get(job_id).view(time.monotonic())
+
+    def video_content(self, job_id: str) -> tuple[bytes, str]:
+        """The finished job's video; 409 while it is not (yet) there, naming its status."""
+        job = self._jobs().get(job_id)
+        if job.content is None:
+            why = {"failed": "it failed", "cancelled": "it was cancelled"}.get(job.status, f"it is {job.status}")
+            raise api.ApiError(409, f"video job {job_id} has no video: {why}", "id", f"video_{job.status}")
+        return job.content, job.content_type
+
+    def cancel_video(self, job_id: str, wait_s: float = 5.0) -> dict[str, Any]:
+        """Cancel a job in flight; waits up to ``wait_s`` for a running job to stop (it stops after its step)."""
+        job = self._jobs().cancel(job_id, self.scheduler.remove)
+        deadline = time.monotonic() + wait_s
+        while not job.done and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._update_gauges()
+        return job.view(time.monotonic())
+
+    def _cancel_running(self, seq: int) -> None:
+        cancel = getattr(self.worker, "cancel", None)
+        if cancel is not None:
+            cancel.value = seq
+
+    def _on_progress(self, msg: ProgressMsg) -> None:
+        if self.videos is not None:
+            self.videos.progress(msg)
+
+    def _video_result(self, job: Job, reply: ResultMsg) -> None:
+        self.predictor.observe(job.req, reply["seconds"], reply.get("stages", {}))
+        job.details["fingerprint_id"] = fingerprint_id(self.fingerprint)
+        job.details["instance_id"] = self.instance_id
+        if reply.get("nonfinite"):
+            self.m.service_images_nonfinite_total.labels(pool=job.pool).inc(reply["nonfinite"])
+
     def info(self) -> dict[str, Any]:
         worker: dict[str, Any] = {}
         if self.ready:
@@ -439,16 +507,25 @@ class Service:
                       for p in self.cfg.all_pools()},
             "default_size": self.cfg.default_size, "default_steps": self.cfg.default_steps,
             "warmup": self.cfg.warmup,
+            "video": self._video_info(),
             "worker": {**{k: worker.get(k) for k in ("pid", "rss_bytes", "vm_bytes", "budget_bytes")},
                        # from the ready message: known even while the worker is stuck and answers nothing
                        "ranks": (self.worker.ready_info or {}).get("ranks") or []},
             "uptime_seconds": round(time.time() - self.started, 1),
         }
 
+    def _video_info(self) -> dict[str, Any] | None:
+        if self.videos is None:
+            return None
+        v = self.cfg.video
+        return {"sizes": v.sizes, "default_size": v.default_size, "default_frames": v.default_frames,
+                "max_frames": v.max_frames, "default_steps": v.default_steps, "guidance_scale": v.guidance_scale,
+                "fps": v.fps, "jobs": self.videos.counts()}
+
     def set_knobs(self, new: Any) -> dict[str, Any]:
         """Check the knobs, have the worker apply them, publish the new config; raises ApiError."""
         try:
-            knobs.validate(new, self.cfg.ranks)
+            knobs.validate(new, self.cfg.ranks, self.cfg.video_active)
         except knobs.KnobError as e:
             raise api.ApiError(400, str(e), e.param, "invalid_knobs") from None
         if not self.ready:

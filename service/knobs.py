@@ -16,7 +16,10 @@ from stepwatch.service.cache import KINDS
 KNOB_TYPES: dict[str, type | tuple[type, ...]] = {
     "cache": str, "cache_threshold": (int, float), "vae_tiling": bool, "compile": bool,
     "rank_delay_seconds": dict, "baselines": dict, "drop_compiled_graphs": bool, "attention_backend": str,
+    # the video pipeline's own (a distilled model should run without a cache) and its frame-chunked decode
+    "video_cache": str, "video_cache_threshold": (int, float), "video_decode_chunk_frames": int,
 }
+VIDEO_KNOBS = ("video_cache", "video_cache_threshold", "video_decode_chunk_frames")
 # diffusers' attention dispatch backends the practice service accepts: "native" (PyTorch's SDPA picking its
 # kernel, the start-up value) and the forced SDPA kernels and flex.  A kernel the device cannot run is
 # accepted, as a deploy would be, and fails every generation with a non-OOM error (on CPU: cuDNN and
@@ -38,12 +41,14 @@ def finite_nonneg(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v)
 
 
-def validate(knobs: Any, ranks: int) -> dict[str, Any]:
-    """``knobs`` if every knob is known, of its type and in range for a service of ``ranks`` ranks."""
+def validate(knobs: Any, ranks: int, video: bool = True) -> dict[str, Any]:
+    """``knobs`` if every knob is known, of its type and in range for a service of ``ranks`` ranks (``video``:
+    whether it serves video jobs, without which the video knobs are refused)."""
     if not isinstance(knobs, dict) or not knobs:
         raise KnobError("expected a JSON object of knobs", None)
     for k, v in knobs.items():
         _check_type(k, v)
+    _check_video(knobs, video)
     if "cache_threshold" in knobs and not finite_nonneg(knobs["cache_threshold"]):
         raise KnobError(f"cache_threshold must be a finite number >= 0, got {knobs['cache_threshold']}",
                         "cache_threshold")
@@ -57,6 +62,19 @@ def validate(knobs: Any, ranks: int) -> dict[str, Any]:
     if "rank_delay_seconds" in knobs:
         _check_rank_delays(knobs["rank_delay_seconds"], ranks)
     return knobs
+
+
+def _check_video(knobs: dict[str, Any], video: bool) -> None:
+    named = [k for k in VIDEO_KNOBS if k in knobs]
+    if named and not video:
+        raise KnobError(f"{named[0]}: this service serves no video jobs", named[0])
+    if "video_cache" in knobs and knobs["video_cache"] not in KINDS:
+        raise KnobError(f"video_cache {knobs['video_cache']!r} is not one of {', '.join(KINDS)}", "video_cache")
+    if "video_cache_threshold" in knobs and not finite_nonneg(knobs["video_cache_threshold"]):
+        raise KnobError("video_cache_threshold must be a finite number >= 0", "video_cache_threshold")
+    if "video_decode_chunk_frames" in knobs and knobs["video_decode_chunk_frames"] < 0:
+        raise KnobError("video_decode_chunk_frames must be >= 0 (0: the whole clip in one decoder call)",
+                        "video_decode_chunk_frames")
 
 
 def baseline_shapes(baselines: dict[str, Any]) -> dict[str, Any]:

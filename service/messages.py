@@ -7,7 +7,7 @@ worker sends what the server reads.  Every request but ``shutdown`` carries an
 
   server -> worker  generate, knobs, info, shutdown
   worker -> server  ready, fatal (once, at start-up); result or error (generate); knobs; info;
-                    error (any request that failed)
+                    error (any request that failed); progress (a video job's steps, before its result)
 """
 
 from __future__ import annotations
@@ -42,7 +42,13 @@ ToWorker = GenerateMsg | KnobsMsg | InfoMsg | ShutdownMsg
 
 
 # ----- worker -> server -------------------------------------------------------------------------
-class WarmupRun(TypedDict):
+class _VideoWarmup(TypedDict, total=False):
+    frames: int  # a video warm-up run: its frames, steps and guidance (the predictor's first observation)
+    steps: int
+    guidance_scale: float
+
+
+class WarmupRun(_VideoWarmup):
     size: str
     run: int
     seconds: float
@@ -93,7 +99,12 @@ class CacheStats(TypedDict):
     misses: int
 
 
-class ResultMsg(TypedDict):
+class _VideoResult(TypedDict, total=False):
+    content_type: str  # a video job: images holds one MP4
+    frames: int
+
+
+class ResultMsg(_VideoResult):
     op: Literal["result"]
     id: str
     images: list[bytes]  # PNG
@@ -118,7 +129,7 @@ class _ErrorDetail(TypedDict, total=False):
 class ErrorMsg(_ErrorDetail):
     op: Literal["error"]
     id: str | None
-    kind: Literal["oom", "internal", "invalid"]
+    kind: Literal["oom", "internal", "invalid", "cancelled"]
     message: str
 
 
@@ -140,5 +151,14 @@ class InfoReply(TypedDict):
     fingerprint: dict[str, Any]
 
 
+class ProgressMsg(TypedDict):
+    """Unsolicited, during a video job: step ``step`` of ``steps`` is done (``id``: the generate request's)."""
+
+    op: Literal["progress"]
+    id: str
+    step: int
+    steps: int
+
+
 Reply = ResultMsg | ErrorMsg | KnobsReply | InfoReply
-FromWorker = ReadyMsg | FatalMsg | Reply
+FromWorker = ReadyMsg | FatalMsg | ProgressMsg | Reply

@@ -58,6 +58,7 @@ class Predictor:
         self._by_shape: dict[tuple[str, int], deque[float]] = {}
         self._denoise_rate: deque[float] = deque(maxlen=50)  # FLOP/s in denoising
         self._other_rate: deque[float] = deque(maxlen=50)  # seconds per megapixel outside denoising
+        self._video_rate: deque[float] = deque(maxlen=50)  # seconds per video work unit (see _video_units)
         self._window = window
         self.ledger: LedgerParams | None = None
         self._lock = threading.Lock()
@@ -67,9 +68,12 @@ class Predictor:
             q = self._by_shape.setdefault((req.shape, req.n), deque(maxlen=self._window))
             q.append(seconds)
             denoise = stages.get("denoise")
-            if self.ledger is not None and denoise and denoise > 0:
+            if self.ledger is not None and denoise and denoise > 0 and not req.is_video:
                 flops = self.ledger.step_flops(req.width, req.height, req.cfg) * req.steps * req.n
                 self._denoise_rate.append(flops / denoise)
+            if req.is_video:
+                self._video_rate.append(seconds / _video_units(req))
+                return
             mpix = req.width * req.height * req.n / 1e6
             self._other_rate.append(max(0.0, seconds - (denoise or 0.0)) / mpix)
 
@@ -78,14 +82,24 @@ class Predictor:
             q = self._by_shape.get((req.shape, req.n))
             if q and len(q) >= 3:
                 return statistics.median(q)
-            mpix = req.width * req.height * req.n / 1e6
+            if req.is_video and self._video_rate:
+                return statistics.median(self._video_rate) * _video_units(req)
+            mpix = req.width * req.height * req.n * req.frames / 1e6
             other = statistics.median(self._other_rate) * mpix if self._other_rate else 0.5 * mpix
-            if self.ledger is not None and self._denoise_rate:
+            if self.ledger is not None and self._denoise_rate and not req.is_video:
                 flops = self.ledger.step_flops(req.width, req.height, req.cfg) * req.steps * req.n
                 return flops / statistics.median(self._denoise_rate) + other
             if q:
                 return statistics.median(q)
             return other + 0.05 * req.steps * (2 if req.cfg else 1) * mpix
+
+
+def _video_units(req: GenerationRequest) -> float:
+    """A video's work in units its observed seconds scale by, for a shape not seen three times yet: pixels x
+    frames x (transformer calls + 2: the decode and the encoding cost about two calls' worth on the practice
+    model).  An estimate for the queue and the stall limit; each shape's own median replaces it."""
+    calls = req.steps * (2 if req.cfg else 1)
+    return req.width * req.height * req.frames / 1e6 * (calls + 2)
 
 
 @dataclass
@@ -97,6 +111,8 @@ class Ticket:
     future: Future[Any] = field(default_factory=Future)
     started: float | None = None
     seq: int = field(default_factory=itertools.count().__next__)
+    on_start: Callable[[], None] | None = None  # called when the worker takes it (a video job turns running)
+    call_id: str = ""  # the id of its worker call ("": one is made up); a video job's progress carries it
 
 
 class QueueFull(Exception):
@@ -124,7 +140,8 @@ class Scheduler:
         self._cv = threading.Condition()
 
     # ----- admission ----------------------------------------------------------------------
-    def submit(self, req: GenerationRequest, pool: str) -> Ticket:
+    def submit(self, req: GenerationRequest, pool: str, on_start: Callable[[], None] | None = None,
+               call_id: str = "") -> Ticket:
         """Queue a request, or raise QueueFull (-> 429) when its pool's wait is past the limit."""
         predicted = self.predictor.predict(req)
         with self._cv:
@@ -134,7 +151,7 @@ class Scheduler:
             if wait > limit or queued >= self.max_queued:
                 retry = max(1, int(wait - limit + 0.999)) if wait > limit else 5
                 raise QueueFull(pool, wait, limit, retry)
-            t = Ticket(req, pool, predicted, self._clock())
+            t = Ticket(req, pool, predicted, self._clock(), on_start=on_start, call_id=call_id)
             self._queues[pool].append(t)
             self._cv.notify_all()
             return t

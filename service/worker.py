@@ -54,6 +54,7 @@ from stepwatch.service.messages import (
     WarmupRun,
 )
 from stepwatch.service.pipeline import build_pipeline, prompt_words, weights_digest
+from stepwatch.service.video import CONTENT_TYPE, JobCancelled, encode_mp4, set_decode_chunk, to_uint8
 
 log = logging.getLogger("stepwatch.service.worker")
 TRIM_SLACK_BYTES = 64 << 20  # above the last trimmed RSS by this much after a request: return freed heap
@@ -106,8 +107,12 @@ def _broadcast_box(box: list[Any]) -> None:
 
 
 class Worker:
-    def __init__(self, cfg: dict[str, Any], conn: Connection | None, rank: int = 0, world: int = 1) -> None:
+    def __init__(self, cfg: dict[str, Any], conn: Connection | None, rank: int = 0, world: int = 1,
+                 cancel: Any = None) -> None:
         self.cfg = parse(cfg)
+        self.video_pipe: Any = None  # the video pipeline (cfg.video_active), instrumented on the same registry
+        self.video_inst: Any = None
+        self.cancel = cancel  # a shared integer: the job number the server wants stopped (None: no video)
         self.conn = conn  # None on follower ranks: only rank 0 talks to the server
         self.rank = rank
         self.world = world
@@ -135,14 +140,60 @@ class Worker:
         if self.rank == 0:
             server, _ = serve_metrics(0, "127.0.0.1", registry)
             self.metrics_port = server.server_port
+        self._setup_video(registry)
         self.apply_knobs({"cache": cfg.cache.kind, "cache_threshold": cfg.cache.threshold,
-                          "vae_tiling": cfg.vae_tiling, "compile": cfg.compile.enabled}, warm=False)
-        warm = self.warmup()
+                          "vae_tiling": cfg.vae_tiling, "compile": cfg.compile.enabled, **self._video_knobs()},
+                         warm=False)
+        warm = self.warmup() + self._warm_video()
         self._arm_budget()
         return {"op": "ready", "pid": os.getpid(), "metrics_port": self.metrics_port,
                 "fingerprint": self.fingerprint(), "knobs": dict(self.knobs), "ledger": self.ledger_params(),
                 "budget_bytes": self.budget.limit, "setup_seconds": time.perf_counter() - t0, "warmup": warm,
                 "ranks": self.rank_procs}
+
+    def _setup_video(self, registry: CollectorRegistry) -> None:
+        """The video pipeline beside the image one: built offline like it (or from ``video.model``), instrumented
+        on the same registry with its own shape allowlist.  Served eager: on CPU, compiling the Wan blocks
+        would add tens of seconds to every start for a model this small (its shapes still count compiles)."""
+        cfg = self.cfg
+        if not cfg.video_active:
+            return
+        self.video_pipe = build_pipeline("wan", model=cfg.video.model, seed=cfg.seed, device=cfg.device,
+                                         dtype=cfg.dtype)
+        self._weights += "+" + weights_digest(self.video_pipe)
+        self.video_inst = instrument(self.video_pipe, registry=registry, shapes=cfg.video_serving_shapes(),
+                                     text_tokens=cfg.text_tokens, few_step_max_steps=self._few_step_max())
+
+    def _few_step_max(self) -> int:
+        from stepwatch.alerts.thresholds import load
+
+        return load(self.cfg.thresholds).few_step_max_steps
+
+    def _video_knobs(self) -> dict[str, Any]:
+        v = self.cfg.video
+        if not self.cfg.video_active:
+            return {}
+        return {"video_cache": v.cache.kind, "video_cache_threshold": v.cache.threshold,
+                "video_decode_chunk_frames": v.decode_chunk_frames}
+
+    def _warm_video(self) -> list[WarmupRun]:
+        """One default job (twice: the second is the steady state the queue's predictor starts from)."""
+        v = self.cfg.video
+        if self.video_pipe is None or not v.warmup:
+            return []
+        w, h = parse_size(v.default_size)
+        req = GenerationRequest("warm up", 1, w, h, v.default_steps, v.guidance_scale, 0, frames=v.default_frames)
+        out: list[WarmupRun] = []
+        with self.video_inst.warmup():
+            for run in range(2):
+                t = time.perf_counter()
+                self._run_video(req, None)
+                rep = self.video_inst.last_report
+                out.append({"size": v.default_size, "run": run, "seconds": time.perf_counter() - t,
+                            "compiles": len(rep.compiles) if rep else 0, "stages": dict(rep.stages) if rep else {},
+                            "shape": req.shape, "frames": v.default_frames, "steps": v.default_steps,
+                            "guidance_scale": v.guidance_scale})
+        return out
 
     def _build(self) -> None:
         cfg = self.cfg
@@ -212,8 +263,11 @@ class Worker:
         pipe = self.pipe
         rewarm = self._apply_cache(knobs)
         if "vae_tiling" in knobs:
-            (pipe.vae.enable_tiling if knobs["vae_tiling"] else pipe.vae.disable_tiling)()
+            for p in (pipe, self.video_pipe):
+                if p is not None:
+                    (p.vae.enable_tiling if knobs["vae_tiling"] else p.vae.disable_tiling)()
             self.knobs["vae_tiling"] = bool(knobs["vae_tiling"])
+        self._apply_video_knobs(knobs)
         if "compile" in knobs and bool(knobs["compile"]) != self.compile_active:
             self._set_compile(bool(knobs["compile"]))
             self.knobs["compile"] = self.compile_active
@@ -257,6 +311,20 @@ class Worker:
             if is_oom(e):
                 raise
             log.error("re-warm failed with the new knobs, which stay in place: %s: %s", type(e).__name__, e)
+
+    def _apply_video_knobs(self, knobs: dict[str, Any]) -> None:
+        """The video pipeline's own cache (a distilled model should have none) and its decode chunk."""
+        vp = self.video_pipe
+        if vp is None:
+            return
+        if "video_cache" in knobs or "video_cache_threshold" in knobs:
+            kind = knobs.get("video_cache", self.knobs.get("video_cache", "none"))
+            threshold = knobs.get("video_cache_threshold", self.knobs.get("video_cache_threshold"))
+            apply_cache(vp, kind, threshold, steps=self.cfg.video.default_steps)
+            self.knobs["video_cache"], self.knobs["video_cache_threshold"] = kind, threshold
+        if "video_decode_chunk_frames" in knobs:
+            set_decode_chunk(vp.vae, int(knobs["video_decode_chunk_frames"]))
+            self.knobs["video_decode_chunk_frames"] = int(knobs["video_decode_chunk_frames"])
 
     @property
     def _stamp(self) -> Any:
@@ -313,17 +381,44 @@ class Worker:
             num_images_per_prompt=req.n, max_sequence_length=self.cfg.text_tokens, output_type="np",
             generator=torch.Generator().manual_seed(req.seed), callback_on_step_end=callback, **kwargs)
 
+    def _run_video(self, req: GenerationRequest, msg_id: str | None) -> Any:
+        """One video job on the video pipeline; each step reports progress (``msg_id``) and checks whether the
+        job was cancelled (JobCancelled, raised from the step callback, stops it within a step)."""
+        kwargs: dict[str, Any] = {"negative_prompt": ""} if req.cfg else {}
+
+        def on_step(_p: Any, i: int, _t: Any, kw: dict[str, Any]) -> dict[str, Any]:
+            if self.cancel is not None and req.job and self.cancel.value == req.job:
+                raise JobCancelled(f"video job {req.job} cancelled at step {i + 1} of {req.steps}")
+            if msg_id is not None and self.conn is not None:
+                self.conn.send({"op": "progress", "id": msg_id, "step": i + 1, "steps": req.steps})
+            return kw
+
+        return self.video_pipe(
+            prompt_words(req.prompt), height=req.height, width=req.width, num_frames=req.frames,
+            num_inference_steps=req.steps, guidance_scale=req.guidance_scale, max_sequence_length=self.cfg.text_tokens,
+            output_type="np", generator=torch.Generator().manual_seed(req.seed), callback_on_step_end=on_step,
+            **kwargs)
+
     def generate(self, msg: GenerateMsg) -> ResultMsg | ErrorMsg:
         req = GenerationRequest(**msg["request"])
+        if req.is_video and self.video_pipe is None:
+            return {"op": "error", "id": msg["id"], "kind": "internal", "message": "video is off on this worker"}
         t = time.perf_counter()
         failure: tuple[bool, str] | None = None
+        cancelled = False
         try:
-            out = self._run(req)
+            out = self._run_video(req, msg["id"]) if req.is_video else self._run(req)
+        except JobCancelled:
+            cancelled = True
         except Exception as exc:
             failure = (is_oom(exc), traceback.format_exc(limit=3)[-600:])
+        if cancelled:
+            return self._cancelled(msg["id"], req)
         if failure is not None:
             # Out of the except block: the exception and its frames (the failed request's tensors) are gone.
             return self._failed(msg["id"], req, *failure)
+        if req.is_video:
+            return self._video_result(msg["id"], req, out, time.perf_counter() - t)
         seconds = time.perf_counter() - t
         pngs, nonfinite = _encode(out.images)
         rss = self._trim_if_grown()
@@ -339,17 +434,44 @@ class Worker:
             if rep and "rank_skew" in rep.extra else None,
         }
 
-    def _failed(self, id_: str, req: GenerationRequest, oom: bool, detail: str) -> ErrorMsg:
-        """Clean up after a failed request and say why it failed (an OOM names the stage and the fix)."""
-        rep = self.inst.last_report
-        stage = rep.failed_stage if rep is not None else None
+    def _video_result(self, id_: str, req: GenerationRequest, out: Any, seconds: float) -> ResultMsg:
+        """The finished job: its frames encoded as MP4 (the encoding is the worker's, not the pipeline's, time)."""
+        frames, nonfinite = to_uint8(out.frames[0])
+        del out
+        t = time.perf_counter()
+        mp4 = encode_mp4(frames, self.cfg.video.fps)
+        encode_s = time.perf_counter() - t
+        rss = self._trim_if_grown()
+        rep = self.video_inst.last_report
+        return {
+            "op": "result", "id": id_, "images": [mp4], "seconds": seconds, "nonfinite": nonfinite,
+            "shape": req.shape, "stages": {**(dict(rep.stages) if rep else {}), "encode": encode_s},
+            "steps": len(rep.step_seconds) if rep else req.steps,
+            "cache": {"kind": rep.cache, "hits": rep.hits, "misses": rep.misses} if rep else None,
+            "compiles": len(rep.compiles) if rep else 0, "rss_bytes": rss, "ranks": None,
+            "content_type": CONTENT_TYPE, "frames": int(frames.shape[0]),
+        }
+
+    def _cancelled(self, id_: str, req: GenerationRequest) -> ErrorMsg:
+        self._reset_after_failure(self.video_pipe)
+        return {"op": "error", "id": id_, "kind": "cancelled", "shape": req.shape,
+                "message": f"video job cancelled by its client ({req.shape})"}
+
+    def _reset_after_failure(self, pipe: Any) -> None:
         # diffusers resets cache-hook state only at the end of a call that finished: a call that died
         # mid-way would leave the next one starting from stale residuals.
-        reset = getattr(self.pipe.transformer, "_reset_stateful_cache", None)
+        reset = getattr(pipe.transformer, "_reset_stateful_cache", None)
         if reset is not None:
             reset()
         gc.collect()
         _malloc_trim()
+
+    def _failed(self, id_: str, req: GenerationRequest, oom: bool, detail: str) -> ErrorMsg:
+        """Clean up after a failed request and say why it failed (an OOM names the stage and the fix)."""
+        inst = self.video_inst if req.is_video else self.inst
+        rep = inst.last_report
+        stage = rep.failed_stage if rep is not None else None
+        self._reset_after_failure(self.video_pipe if req.is_video else self.pipe)
         if oom:
             return {"op": "error", "id": id_, "kind": "oom", "stage": stage, "shape": req.shape, "size": req.size,
                     "message": _oom_message(stage, req, self.knobs)}
@@ -409,7 +531,7 @@ class Worker:
                 msg: ToWorker = self.conn.recv()
             except (EOFError, OSError):
                 msg = {"op": "shutdown"}
-            refused = _refusal(msg, self.world)
+            refused = _refusal(msg, self.world, self.video_pipe is not None)
             if refused is not None:
                 self.conn.send(refused)
                 continue
@@ -434,12 +556,12 @@ class Worker:
                     "message": traceback.format_exc(limit=3)[-600:]}
 
 
-def _refusal(msg: ToWorker, world: int) -> ErrorMsg | None:
+def _refusal(msg: ToWorker, world: int, video: bool) -> ErrorMsg | None:
     """The answer to knobs that fail the shared validation (before any rank applies them), else None."""
     if msg["op"] != "knobs":
         return None
     try:
-        knob_rules.validate(msg["knobs"], world)
+        knob_rules.validate(msg["knobs"], world, video)
     except knob_rules.KnobError as e:
         return {"op": "error", "id": msg["id"], "kind": "invalid", "message": str(e), "param": e.param}
     return None
@@ -463,6 +585,8 @@ def _encode(images: Any) -> tuple[list[bytes], int]:
 
 def _oom_message(stage: str | None, req: GenerationRequest, knobs: dict[str, Any]) -> str:
     where = stage or "an unknown stage"
+    if req.is_video and stage == "vae_decode":
+        return _video_oom_message(req, knobs)
     if stage == "vae_decode" and not knobs.get("vae_tiling", True):
         fix = "enable VAE tiling (it is off) or request a smaller size"
     elif stage == "vae_decode":
@@ -473,6 +597,16 @@ def _oom_message(stage: str | None, req: GenerationRequest, knobs: dict[str, Any
         fix = "request a smaller size or fewer images (n), or raise the worker's memory budget"
     return (f"out of memory in {where} generating {req.n} x {req.size} ({req.shape}); fix: {fix}. "
             "The request failed; the instance keeps serving.")
+
+
+def _video_oom_message(req: GenerationRequest, knobs: dict[str, Any]) -> str:
+    """The video decode ran out: the fix is tiling and a frame-chunked decode, whichever is off."""
+    off = [k for k, on in (("VAE tiling", knobs.get("vae_tiling", True)),
+                          ("frame-chunked decode", knobs.get("video_decode_chunk_frames", 1) != 0)) if not on]
+    fix = (f"enable {' and '.join(off)} (off: the whole clip decodes at full resolution at once)" if off
+           else "request fewer frames or a smaller size, or raise the worker's memory budget")
+    return (f"out of memory in vae_decode decoding {req.frames} frames at {req.size} ({req.shape}); fix: {fix}. "
+            "The job failed; the instance keeps serving.")
 
 
 def configure_process(rank: int) -> None:
@@ -493,10 +627,10 @@ def start(w: Worker) -> ReadyMsg | None:
         return None
 
 
-def worker_main(cfg: dict[str, Any], conn: Connection, rank: int = 0, world: int = 1) -> None:
-    """Entry point of the worker process (spawned)."""
-    configure_process(rank)
-    w = Worker(cfg, conn, rank, world)
+def worker_main(cfg: dict[str, Any], conn: Connection, cancel: Any = None) -> None:
+    """Entry point of the worker process (spawned); ``cancel``: the shared job number to stop (video jobs)."""
+    configure_process(0)
+    w = Worker(cfg, conn, cancel=cancel)
     ready = start(w)
     if ready is None:
         return

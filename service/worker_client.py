@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from stepwatch.service.config import ServiceConfig
-from stepwatch.service.messages import FromWorker, ReadyMsg, Reply, Request
+from stepwatch.service.messages import FromWorker, ProgressMsg, ReadyMsg, Reply, Request
 
 log = logging.getLogger("stepwatch.service")
 
@@ -41,7 +41,7 @@ def exit_text(code: int | None) -> str:
     return f"worker exited with code {code}"
 
 
-def _target(cfg: ServiceConfig) -> tuple[Callable[..., None], tuple[Any, ...], bool]:
+def _target(cfg: ServiceConfig, cancel: Any) -> tuple[Callable[..., None], tuple[Any, ...], bool]:
     """The worker's entry point, its extra arguments and whether it is a daemon (ranks start children)."""
     # Imported here: the worker modules are only the spawned process's; the server never runs them.
     if cfg.ranks > 1:
@@ -50,16 +50,21 @@ def _target(cfg: ServiceConfig) -> tuple[Callable[..., None], tuple[Any, ...], b
         return ranks_main, (cfg.ranks,), False
     from stepwatch.service.worker import worker_main
 
-    return worker_main, (), True
+    return worker_main, (cancel,), True
 
 
 class WorkerClient:
     """The worker process: start, talk to, watch, restart."""
 
     def __init__(self, cfg: ServiceConfig, on_ready: Callable[[ReadyMsg], None], on_fatal: Callable[[str], None],
-                 on_died: Callable[[int | None], None]) -> None:
+                 on_died: Callable[[int | None], None],
+                 on_progress: Callable[[ProgressMsg], None] | None = None) -> None:
         self.cfg = cfg
         self._on_ready, self._on_fatal, self._on_died = on_ready, on_fatal, on_died
+        self._on_progress = on_progress
+        # The number of the video job to stop, shared with the worker (it reads it after every step): a job
+        # cancelled while it runs stops within a step instead of holding the worker to its end.
+        self.cancel = mp.get_context("spawn").Value("q", 0, lock=False)
         self.proc: Any = None
         self.conn: Connection | None = None
         self.ready_info: ReadyMsg | None = None
@@ -73,7 +78,7 @@ class WorkerClient:
     def start(self) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        target, extra, daemon = _target(self.cfg)
+        target, extra, daemon = _target(self.cfg, self.cancel)
         proc = ctx.Process(target=target, args=(self.cfg.to_raw(), child, *extra), daemon=daemon,
                            name="stepwatch-worker")
         proc.start()
@@ -113,6 +118,9 @@ class WorkerClient:
         elif msg["op"] == "fatal":
             log.error("worker failed to start:\n%s", msg["message"])
             self._on_fatal(msg["message"])
+        elif msg["op"] == "progress":
+            if self._on_progress is not None:
+                self._on_progress(msg)
         else:
             with self._lock:
                 fut = self._pending.pop(str(msg.get("id")), None)

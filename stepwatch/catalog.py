@@ -62,7 +62,7 @@ def _m(name: str, kind: Kind, help: str, labels: tuple[str, ...] = (), owner: Ow
 METRICS: tuple[MetricDef, ...] = (
     # --- in-process exporter: one pipeline call = one request -------------------------------
     _m("stepwatch_pipeline_requests_total", "counter",
-       "Pipeline calls by outcome (ok, error, oom).", ("shape", "outcome")),
+       "Pipeline calls by outcome (ok, error, oom; cancelled: a video job cancelled mid-run).", ("shape", "outcome")),
     # Per-shape times are summaries (sum and count, no quantiles): what the rules and the board read is the
     # mean per shape; a bucket layout per shape would cost ~30 series each (docs/contracts.md, budget).
     _m("stepwatch_pipeline_request_duration_seconds", "summary",
@@ -80,6 +80,9 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_cache_decisions_total", "counter",
        "Cross-step cache decisions per transformer call: hit reuses the cached residual, miss recomputes.",
        ("shape", "cache", "decision")),
+    _m("stepwatch_cache_few_step_hits_total", "counter",
+       "Cache hits on few-step requests (at most few_step.max_steps steps, no CFG: a distilled model's), "
+       "serving phase only; a distilled model must see none.", ("shape", "cache")),
     _m("stepwatch_cache_hit_position_ratio", "histogram",
        "Where in the trajectory cache hits land: step index / steps (all shapes together).", (),
        buckets=POSITION_BUCKETS),
@@ -164,6 +167,19 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_service_knob_override_active", "gauge",
        "1 while a runtime knob (cache, cache_threshold, vae_tiling, compile, attention_backend) differs from the "
        "value the service started with; 0 again once it is restored.", ("knob",), "service"),
+    # --- practice service: asynchronous video jobs (POST /v1/videos) ----------------------
+    _m("stepwatch_video_jobs_created_total", "counter", "Video jobs accepted (202).", ("pool",), "service"),
+    _m("stepwatch_video_jobs_finished_total", "counter",
+       "Video jobs that ended: succeeded, failed or cancelled; created - finished = in flight.",
+       ("pool", "outcome"), "service"),
+    _m("stepwatch_video_jobs_depth", "gauge", "Video jobs in flight by state (queued, running).",
+       ("pool", "state"), "service"),
+    _m("stepwatch_video_oldest_job_age_seconds", "gauge",
+       "Age of the oldest video job still queued or running (0 when none).", ("pool",), "service"),
+    _m("stepwatch_video_job_duration_seconds", "histogram",
+       "Creation to completion of a succeeded video job (queue + generation + encoding).", ("pool",), "service",
+       DURATION_BUCKETS),
+    _m("stepwatch_video_frames_total", "counter", "Frames of succeeded video jobs.", ("pool",), "service"),
     # --- sidecar: NVML ------------------------------------------------------------------
     _m("stepwatch_nvml_up", "gauge", "1 when NVML initialized and answered.", (), "sidecar"),
     _m("stepwatch_gpu_memory_used_bytes", "gauge", "Device memory in use.", ("gpu",), "sidecar"),
@@ -185,6 +201,10 @@ METRICS: tuple[MetricDef, ...] = (
        "SSIM of the last probe set against the baseline (stat: the set's p50, p10 or min).",
        ("probe_set", "instance_id", "stat"), "sidecar"),
     _m("stepwatch_quality_gate_decibels", "gauge", "PSNR gate of the probe set.", ("probe_set",), "sidecar"),
+    _m("stepwatch_quality_ssim_gate_ratio", "gauge",
+       "SSIM gate of the probe set's worst frame (video sets 0.92, high-quality image sets 0.95); 0: the set "
+       "has no SSIM gate (image sets are gated on PSNR).",
+       ("probe_set",), "sidecar"),
     _m("stepwatch_quality_probe_duration_seconds", "histogram",
        "Time to run one probe set.", ("probe_set",), "sidecar", DURATION_BUCKETS),
     _m("stepwatch_quality_probe_runs_total", "counter", "Probe sets completed.", ("probe_set",), "sidecar"),

@@ -87,6 +87,7 @@ class StandIn:
         self._server: ThreadingHTTPServer | None = None
         self._n = 0
         self._lock = threading.Lock()
+        self.videos: dict[str, tuple[dict[str, Any], bytes]] = {}  # job id -> (job, MP4)
 
     @property
     def fingerprint_id(self) -> str:
@@ -129,6 +130,21 @@ class StandIn:
             "stages": {}, "steps": steps, "cache": {"kind": "none", "hits": 0, "misses": steps},
             "instance_id": inst, "fingerprint_id": self.response_fingerprints.get(inst, self.fingerprint_id)}}
 
+    def create_video(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """``POST /v1/videos``: the job is done at once (its frames as ``generate`` makes them, as an MP4)."""
+        from stepwatch.service.video import encode_mp4
+
+        status, answer = self.generate(body)
+        if status != 200:
+            return status, answer
+        frames = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))).convert("RGB"))
+                           for d in answer["data"]])
+        jid = f"video_{len(self.videos):04d}"
+        job = {"id": jid, "object": "video", "status": "succeeded", "progress": 100, "step": body.get("steps", 8),
+               "steps": body.get("steps", 8), "error": None, "stepwatch": answer["stepwatch"]}
+        self.videos[jid] = (job, encode_mp4(frames, 16))
+        return 202, {**job, "status": "queued", "progress": 0, "step": 0}
+
     # --- server ----------------------------------------------------------------------------
 
     def answer_post(self, path: str, raw: bytes) -> tuple[int, dict[str, Any]] | None:
@@ -137,7 +153,7 @@ class StandIn:
             body = json.loads(raw or b"{}")
         except ValueError:
             return 400, {"error": {"message": "bad JSON", "type": "invalid_request_error", "code": 400}}
-        if path != "/v1/images/generations":
+        if path not in ("/v1/images/generations", "/v1/videos"):
             return 404, {"error": {"message": "not found", "type": "not_found", "code": 404}}
         if self.die_after is not None:
             if self.die_after <= 0:
@@ -148,11 +164,15 @@ class StandIn:
             time.sleep(self.delay_s)
         if self.fail_code:
             return self.fail_code, {"error": {"message": "injected", "type": "server_error", "code": self.fail_code}}
-        return self.generate(body)
+        return self.create_video(body) if path == "/v1/videos" else self.generate(body)
 
-    def answer_get(self, path: str) -> tuple[int, dict[str, Any]]:
+    def answer_get(self, path: str) -> tuple[int, Any]:
         if path == "/v1/stepwatch/info":
             return 200, self.info()
+        parts = path.strip("/").split("/")
+        if parts[:2] == ["v1", "videos"] and len(parts) >= 3 and parts[2] in self.videos:
+            job, mp4 = self.videos[parts[2]]
+            return (200, mp4) if parts[3:] == ["content"] else (200, job)
         if path in ("/healthz", "/readyz"):
             return 200 if self.ready or path == "/healthz" else 503, {}
         return 404, {"error": {"message": "not found", "type": "not_found", "code": 404}}
@@ -165,10 +185,11 @@ class StandIn:
                 pass
 
             def _send(self, code: int, obj: Any) -> None:
-                raw = json.dumps(obj).encode()
+                binary = isinstance(obj, bytes)
+                raw = obj if binary else json.dumps(obj).encode()
                 try:
                     self.send_response(code)
-                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Type", "video/mp4" if binary else "application/json")
                     self.send_header("Content-Length", str(len(raw)))
                     self.end_headers()
                     self.wfile.write(raw)

@@ -87,6 +87,12 @@ class ServiceProc:
         ctype = hdrs.get("Content-Type", "")
         return r.status_code, (r.json() if "json" in ctype else r.text), hdrs
 
+    def request_raw(self, path: str, timeout: float = 60) -> bytes:
+        """The bytes of a GET (a video's MP4), raising on an error status."""
+        r = httpclient.request("GET", self.url + path, timeout=timeout)
+        r.raise_for_status()
+        return bytes(r.content)
+
     def get(self, path: str) -> tuple[int, Any, dict[str, str]]:
         return self.request("GET", path, timeout=30)
 

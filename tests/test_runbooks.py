@@ -28,7 +28,8 @@ RUNBOOKS = ROOT / "runbooks"
 EXAMPLE_LABELS = {"job": "stepwatch-service", "instance": "10.0.0.1:8000", "shape": "1024x1024_8s_cfg",
                   "pool": "large", "device": "cuda:0", "gpu": "0", "rank": "1", "stage": "vae_decode",
                   "probe_set": "default", "instance_id": "svc-a", "stat": "p10", "phase": "serving",
-                  "reason": "timeout", "component": "scheduler.step"}
+                  "reason": "timeout", "component": "scheduler.step", "cache": "first_block_cache",
+                  "outcome": "failed"}
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +149,9 @@ def test_explained_by_names_another_alert(th: Any, runbooks: dict[str, parse.Run
                      ("StepwatchQualityProbeFailing", "serving_compiles"): "StepwatchServingRecompile",
                      ("StepwatchQualityProbeFailing", "pipeline_errors"): "StepwatchRequestErrorRatio",
                      ("StepwatchQualityProbeFailing", "slower"): "StepwatchStepTimeRegression",
-                     ("StepwatchStepTimeRegression", "serving_compiles"): "StepwatchServingRecompile"}
+                     ("StepwatchStepTimeRegression", "serving_compiles"): "StepwatchServingRecompile",
+                     ("StepwatchVideoJobsFailing", "oom"): "StepwatchOutOfMemory",
+                     ("StepwatchQualitySsimDrop", "few_step_hits"): "StepwatchCacheOnDistilledModel"}
     for (alert, _cid), target in joins.items():
         assert target in names and target != alert
 
@@ -249,7 +252,9 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       "cache_off", "straggler_step_time", "fingerprint_change", "cache_threshold_raise",
                                       "cache_kind", "compile_cache_dropped", "worker_killed", "pipeline_errors",
                                       "worker_freeze", "cpu_contention", "sidecar_killed", "host_down", "gpu_throttle",
-                                      "shape_too_large"]
+                                      "shape_too_large",
+                                      # video jobs and few-step serving
+                                      "video_vae_untiled", "cache_on_distilled"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:
@@ -257,7 +262,7 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
         for alert, cause in d.also.items():  # an alert in hand: its runbook (or its join) can reach the cause
             assert alert != d.alerts[0] and th.by_name(alert) is not None, (d.id, alert)
             assert cause in CAUSES, (d.id, alert, cause)
-    assert sum(len(d.also) for d in drills) == 27
+    assert sum(len(d.also) for d in drills) == 29
 
 
 @pytest.mark.parametrize("also, message", [
@@ -334,7 +339,7 @@ LIVE_EXPOSITIONS = {"exporter": _exporter_exposition}
 EVENT_ONLY = {"stepwatch_compile_total", "stepwatch_oom_total", "stepwatch_exporter_errors_total",
               "stepwatch_rank_step_duration_seconds", "stepwatch_rank_busy_seconds_total", "stepwatch_rank_steps_total",
               "stepwatch_rank_progress_age_seconds", "stepwatch_rank_collective_wait_seconds",
-              "stepwatch_rank_cpu_wait_seconds_total"}
+              "stepwatch_rank_cpu_wait_seconds_total", "stepwatch_cache_few_step_hits_total"}
 
 
 def _names_used(th: Any, runbooks: dict[str, parse.Runbook]) -> set[str]:

@@ -177,6 +177,19 @@ def _oom_cases(p: Timing) -> list[Case]:
                         {"shape": "2048x2048_8s", "stage": "vae_decode"}, {"shape": "other", "stage": "vae_decode"})]
 
 
+# ----- cache on a distilled (few-step) model ---------------------------------------------------
+
+def _distilled_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    return events("stepwatch_cache_few_step_hits_total", need_window(spec, profile), spec.threshold)
+
+
+def _distilled_cases(p: Timing) -> list[Case]:
+    return [events_case(p, "stepwatch_cache_few_step_hits_total",
+                        {"shape": "1024x1024_4s", "cache": "first_block_cache"},
+                        {"shape": "832x480x81_3s", "cache": "first_block_cache"},
+                        {"shape": "other", "cache": "mag_cache"})]
+
+
 ALERTS = (
     AlertDef("step_time_regression", _step_time_expr, ("instance", "shape"), _step_time_cases, rate_based=True,
              explains=("instance_slowdown",)),
@@ -185,4 +198,5 @@ ALERTS = (
     AlertDef("recompile", _recompile_expr, ("instance", "shape", "phase"), _recompile_cases),
     AlertDef("rank_skew", _rank_expr, ("instance", "rank"), _rank_cases, rate_based=True),
     AlertDef("oom", _oom_expr, ("instance", "shape", "stage"), _oom_cases, explains=("out_of_memory",)),
+    AlertDef("cache_on_distilled", _distilled_expr, ("instance", "shape", "cache"), _distilled_cases),
 )

@@ -119,8 +119,41 @@ def _stale_cases(p: Timing) -> list[Case]:
                  [pending(p), Expect(p.F or p.e, [({"job": SIDECAR, "instance": SC, "probe_set": "a"}, 1.0)])])]
 
 
+# ----- SSIM drop (the worst frame) -------------------------------------------------------------
+
+def _ssim_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    return ('  stepwatch_quality_ssim_ratio{stat="min"}\n'
+            "< on (job, instance, probe_set) group_left ()\n"
+            f"  ((stepwatch_quality_ssim_gate_ratio > 0) - {num(spec.threshold)})")
+
+
+def _ssim_cases(p: Timing) -> list[Case]:
+    """A video set's worst frame just under its gate fires once its probe result arrives; one just over, a p10
+    under the gate (not the worst-frame stat) and a set without an SSIM gate stay quiet."""
+    gate = p.th.quality.ssim_gate["video"]
+    kb = 3
+    fire = kb * p.s + p.F
+    n = p.n(fire + 2 * p.s)
+    sc = {"job": SIDECAR, "instance": SC, "probe_set": "video"}
+    series = [Series("stepwatch_quality_ssim_gate_ratio", sc, const(gate, n))]
+    vals = {("svc-a", "min"): gate - p.T + 0.01, ("svc-b", "min"): gate - p.T - 0.01, ("svc-b", "p10"): gate - 0.1}
+    for (iid, q), v in vals.items():
+        values = born(kb, round(v, 6), n) if (iid, q) == ("svc-b", "min") else const(round(v, 6), n)
+        series.append(Series("stepwatch_quality_ssim_ratio", {**sc, "instance_id": iid, "stat": q}, values))
+    no_gate = {"job": SIDECAR, "instance": SC, "probe_set": "default"}  # an image set: gate 0, PSNR-gated only
+    series += [Series("stepwatch_quality_ssim_gate_ratio", no_gate, const(0, n)),
+               Series("stepwatch_quality_ssim_ratio", {**no_gate, "instance_id": "svc-a", "stat": "min"},
+                      const(0.5, n))]
+    low = {**sc, "instance_id": "svc-b", "stat": "min"}
+    return [Case(p.spec.key, "worst frame just above the gate is silent; just below fires once its probe result "
+                 "arrives; p10 and a set without a gate are not read", series,
+                 [Expect(fire - p.e, [], "only the result just above the line yet"),
+                  Expect(fire, [(low, round(gate - p.T - 0.01, 6))])])]
+
+
 ALERTS = (
     AlertDef("quality_drop", _quality_expr, ("instance", "probe_set", "instance_id", "stat"), _quality_cases),
     AlertDef("probe_failing", _probe_expr, ("instance", "probe_set", "reason"), _probe_cases),
     AlertDef("baseline_stale", _stale_expr, ("instance", "probe_set"), _stale_cases),
+    AlertDef("quality_ssim", _ssim_expr, ("instance", "probe_set", "instance_id", "stat"), _ssim_cases),
 )

@@ -120,10 +120,26 @@ def _nonfinite_cases(p: Timing) -> list[Case]:
                         {"pool": "other"})]
 
 
+# ----- video jobs failing ---------------------------------------------------------------------
+
+def _video_failing_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    return events('stepwatch_video_jobs_finished_total{outcome="failed"}', need_window(spec, profile),
+                  spec.threshold)
+
+
+def _video_failing_cases(p: Timing) -> list[Case]:
+    n = p.n(4 * p.Wa + 8 * p.s)
+    done = Series("stepwatch_video_jobs_finished_total", {"job": SVC, "instance": I1, "pool": "video",
+                                                          "outcome": "succeeded"}, ramp(1, n))
+    return [events_case(p, "stepwatch_video_jobs_finished_total", {"pool": "video", "outcome": "failed"},
+                        {"pool": "clips", "outcome": "failed"}, {"pool": "shorts", "outcome": "failed"}, [done])]
+
+
 ALERTS = (
     # A probe that times out or gets 429 behind the queue is the queue's story.
     AlertDef("queue_wait", _queue_expr, ("instance", "pool"), _queue_cases, explains=("queue_backlog",)),
     AlertDef("error_ratio", _errors_expr, ("pool",), _errors_cases, rate_based=True),
     AlertDef("worker_stalled", _stalled_expr, ("instance", "pool"), _stalled_cases),
     AlertDef("nonfinite_outputs", _nonfinite_expr, ("instance", "pool"), _nonfinite_cases),
+    AlertDef("video_jobs_failing", _video_failing_expr, ("instance", "pool", "outcome"), _video_failing_cases),
 )

@@ -86,6 +86,20 @@ def decode_png(data: bytes) -> list[NDArray[np.uint8]]:
         return [np.asarray(f.convert("RGB"), dtype=np.uint8).copy() for f in ImageSequence.Iterator(im)]
 
 
+def decode_mp4(data: bytes) -> list[NDArray[np.uint8]]:
+    """An MP4 (a video job's content) -> its RGB frames, in order."""
+    import av  # lazy: PyAV is the sidecar extra's; the base install imports this module
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        return [np.asarray(f.to_ndarray(format="rgb24"), dtype=np.uint8) for f in container.decode(video=0)]
+
+
+# A failed video job's error code -> the failure reason it counts as (the HTTP code an image request would get).
+JOB_REASONS = {"out_of_memory": "http_507", "worker_died": "http_503", "shutting_down": "http_503",
+               "timeout": "timeout"}
+VIDEO_POLL_S = 0.2
+
+
 def encode_png(frame: NDArray[np.uint8]) -> bytes:
     from PIL import Image  # lazy: Pillow is the sidecar extra's; the base install imports this
 
@@ -106,8 +120,8 @@ class ServiceClient:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, path: str, timeout_s: float, body: Any = None) -> Any:
-        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, self.connect_timeout_s))
+    def _request(self, method: str, path: str, timeout_s: float, body: Any = None, raw: bool = False) -> Any:
+        timeout = httpx.Timeout(max(0.001, timeout_s), connect=min(max(0.001, timeout_s), self.connect_timeout_s))
         try:
             r = self._http.request(method, path, json=body, timeout=timeout)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -118,9 +132,11 @@ class ServiceClient:
             raise ProbeError("connect", f"{method} {self.target}{path}: {type(e).__name__}: {e}") from None
         except httpx.HTTPError as e:  # not a transport failure: a body that does not decode, too many redirects
             raise ProbeError("bad_response", f"{method} {self.target}{path}: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
+        if r.status_code not in (200, 202):
             msg = r.text[:300].replace("\n", " ")
             raise ProbeError(http_reason(r.status_code), f"{method} {path}: HTTP {r.status_code}: {msg}")
+        if raw:
+            return r.content
         try:
             return r.json()
         except ValueError:
@@ -139,7 +155,43 @@ class ServiceClient:
         return ServiceInfo(str(d.get("instance_id") or "unknown"), fp, str(fid), knobs,
                            ready if isinstance(ready, bool) else None)
 
+    def generate_video(self, item: ProbeItem, timeout_s: float) -> Generated:
+        """A video probe as a client runs one: create the job, poll it, download its MP4, decode the frames.
+        ``timeout_s`` covers the whole job; a job that fails counts by its error (out_of_memory: http_507)."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        job = self._request("POST", "/v1/videos", timeout_s, item.video_body())
+        jid = job.get("id") if isinstance(job, dict) else None
+        if not isinstance(jid, str):
+            raise ProbeError("bad_response", f"probe {item.id}: the video job answer has no id")
+        while job.get("status") in ("queued", "running"):
+            if time.monotonic() > deadline:
+                self._cancel(jid)
+                raise ProbeError("timeout", f"probe {item.id}: video job {jid} not done within {timeout_s:.1f} s")
+            time.sleep(VIDEO_POLL_S)
+            job = self._request("GET", f"/v1/videos/{jid}", deadline - time.monotonic())
+        if job.get("status") != "succeeded":
+            err = job.get("error") or {}
+            code = err.get("code", "") if isinstance(err, dict) else ""
+            raise ProbeError(JOB_REASONS.get(code, "http_500"),
+                             f"probe {item.id}: video job {jid} {job.get('status')}: {err}")
+        data = self._request("GET", f"/v1/videos/{jid}/content", max(1.0, deadline - time.monotonic()), raw=True)
+        try:
+            frames = decode_mp4(data)
+        except Exception as e:  # PyAV raises several kinds on a bad file
+            raise ProbeError("bad_response", f"probe {item.id}: the video is not an MP4 ({e})") from None
+        sw = job.get("stepwatch") if isinstance(job.get("stepwatch"), dict) else {}
+        return self._generated(item, frames, sw, time.monotonic() - t0, [data])
+
+    def _cancel(self, jid: str) -> None:
+        try:
+            self._http.request("DELETE", f"/v1/videos/{jid}", timeout=5.0)
+        except httpx.HTTPError:
+            pass  # best effort: the job ages out on the service anyway
+
     def generate(self, item: ProbeItem, timeout_s: float) -> Generated:
+        if item.is_video:
+            return self.generate_video(item, timeout_s)
         t0 = time.monotonic()
         d = self._request("POST", "/v1/images/generations", timeout_s, item.request_body())
         wall = time.monotonic() - t0
@@ -158,15 +210,18 @@ class ServiceClient:
             except Exception as e:  # binascii and PIL raise several kinds on bad input
                 raise ProbeError("bad_response", f"probe {item.id}: data[{n}] is not an image ({e})") from None
             pngs.append(raw)
-        if not item.is_video:
-            frames = frames[:1]
-        elif len(frames) != item.frames:
+        sw = d.get("stepwatch") if isinstance(d.get("stepwatch"), dict) else {}
+        return self._generated(item, frames[:1], sw, wall, pngs)
+
+    def _generated(self, item: ProbeItem, frames: list[NDArray[np.uint8]], sw: dict[str, Any], wall: float,
+                   raw: list[bytes]) -> Generated:
+        """The probe's output checked against what was asked (frame count, size), with what the service said."""
+        if item.is_video and len(frames) != item.frames:
             raise ProbeError("bad_response", f"probe {item.id}: {len(frames)} frames, expected {item.frames}")
         w, h = item.width_height
         if frames[0].shape[:2] != (h, w):
             raise ProbeError("bad_response",
                              f"probe {item.id}: image is {frames[0].shape[1]}x{frames[0].shape[0]}, asked {item.size}")
-        sw = d.get("stepwatch") if isinstance(d.get("stepwatch"), dict) else {}
         secs = sw.get("seconds")
         return Generated(
             frames=frames,
@@ -174,5 +229,5 @@ class ServiceClient:
             fingerprint_id=str(sw["fingerprint_id"]) if sw.get("fingerprint_id") else None,
             service_seconds=float(secs) if isinstance(secs, (int, float)) and not isinstance(secs, bool) else None,
             wall_seconds=wall,
-            png=pngs,
+            png=raw,
         )

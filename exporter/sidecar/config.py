@@ -73,6 +73,14 @@ class ProbeItem:
             body["frames"] = self.frames
         return body
 
+    def video_body(self) -> dict[str, Any]:
+        """The ``POST /v1/videos`` body for a video probe (a job: polled, then its MP4 downloaded)."""
+        body: dict[str, Any] = {"prompt": self.prompt, "size": self.size, "frames": self.frames, "seed": self.seed,
+                                "steps": self.steps}
+        if self.guidance_scale is not None:
+            body["guidance_scale"] = self.guidance_scale
+        return body
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "prompt": self.prompt, "seed": self.seed, "size": self.size,
                              "steps": self.steps}

@@ -65,6 +65,9 @@ class ImageOutcome:
     ssim: float | None = None
     frames: int = 1
     worst_frame: int | None = None
+    worst_ssim_frame: int | None = None
+    frame_psnr: tuple[float, ...] = ()  # a video probe's every frame (the set's stats are over frames)
+    frame_ssim: tuple[float, ...] = ()
     service_seconds: float | None = None
     wall_seconds: float | None = None
     failure: str | None = None
@@ -108,13 +111,13 @@ class ProbeResult:
 
     @property
     def psnr(self) -> dict[str, float]:
-        """{p50, p10, min} over every scored probe ({} when none)."""
-        vals = [i.psnr for i in self.scored if i.psnr is not None]
+        """{p50, p10, min} over every scored probe, or every frame of a video set ({} when none)."""
+        vals = per_frame(self.scored, "psnr")
         return summarize(vals) if vals else {}
 
     @property
     def ssim(self) -> dict[str, float]:
-        vals = [i.ssim for i in self.scored if i.ssim is not None]
+        vals = per_frame(self.scored, "ssim")
         return summarize(vals) if vals else {}
 
     @property
@@ -122,6 +125,20 @@ class ProbeResult:
         """p10 PSNR below gate - margin: what the QualityDrop alert fires on."""
         p = self.psnr
         return bool(p) and p["p10"] < self.alert_below_db
+
+
+def per_frame(outcomes: list[ImageOutcome], metric: Literal["psnr", "ssim"]) -> list[float]:
+    """The values a set's stats are taken over: each image's, and each frame of a video (so p50 and p10 are
+    over frames and ``min`` is the worst frame, the one the video gates judge)."""
+    out: list[float] = []
+    for o in outcomes:
+        frames = o.frame_psnr if metric == "psnr" else o.frame_ssim
+        whole = o.psnr if metric == "psnr" else o.ssim
+        if frames:
+            out += frames
+        elif whole is not None:
+            out.append(whole)
+    return out
 
 
 @dataclass(frozen=True)
@@ -154,6 +171,10 @@ class Prober:
         self.alert_below_db = self.gate_db - q.alert_margin_db
         self.ssim_gate = q.ssim_gate.get("video" if self.gate_kind == VIDEO_GATE or self.probe_set.is_video
                                          else "image")
+        # The SSIM alert judges the worst frame of the sets whose gate is an SSIM gate too: video sets (the seeds'
+        # 0.92) and high-quality image sets (0.95); other image sets are gated on PSNR (0: no SSIM gate).
+        ssim_gated = self.gate_kind in (VIDEO_GATE, "high_quality") or self.probe_set.is_video
+        self.ssim_gate_alerted = (self.ssim_gate or 0.0) if ssim_gated else 0.0
         self.budget_ratio = budget_ratio if budget_ratio is not None else q.probe_budget_ratio
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -179,6 +200,7 @@ class Prober:
         name = self.probe_set.name
         m = self.metrics
         m.quality_gate_decibels.labels(name).set(self.gate_db)
+        m.quality_ssim_gate_ratio.labels(name).set(self.ssim_gate_alerted)
         m.quality_baseline_stale.labels(name).set(0)
         m.quality_baseline_ok.labels(name).set(0)
         m.quality_probe_runs_total.labels(name)
@@ -326,6 +348,7 @@ class Prober:
             self._fail(res, "bad_response")
             return
         out.psnr, out.ssim, out.frames, out.worst_frame = s.psnr, s.ssim, s.frames, s.worst_psnr_frame
+        out.worst_ssim_frame, out.frame_psnr, out.frame_ssim = s.worst_ssim_frame, s.frame_psnr, s.frame_ssim
 
     def _finish(self, res: ProbeResult, info: ServiceInfo) -> None:
         scored = res.scored
@@ -340,10 +363,8 @@ class Prober:
         for i in scored:
             by_inst.setdefault(i.instance_id or info.instance_id, []).append(i)
         for inst, outs in by_inst.items():
-            res.per_instance[inst] = {
-                "psnr": summarize([o.psnr for o in outs if o.psnr is not None]),
-                "ssim": summarize([o.ssim for o in outs if o.ssim is not None]),
-            }
+            res.per_instance[inst] = {"psnr": summarize(per_frame(outs, "psnr")),
+                                      "ssim": summarize(per_frame(outs, "ssim"))}
         per_image = [o.service_seconds if o.service_seconds is not None else (o.wall_seconds or 0.0)
                      for o in answered]
         self.cost_seconds = sum(per_image) / len(per_image) * len(self.probe_set.items)
@@ -401,7 +422,7 @@ class Prober:
             line = (f"probe set {res.probe_set!r}: {len(res.scored)}/{len(self.probe_set.items)} scored, "
                     f"PSNR p50 {p['p50']:.2f} p10 {p['p10']:.2f} min {p['min']:.2f} dB "
                     f"(gate {self.gate_db:g}, alert below {self.alert_below_db:g}); worst probe {worst.item_id}"
-                    + (f" frame {worst.worst_frame}" if worst.frames > 1 else ""))
+                    + (f" frame {worst.worst_frame} of {worst.frames}" if worst.frames > 1 else ""))
             state = ("measuring", "")
             if res.below_alert:
                 log.warning("%s: BELOW the quality gate", line)

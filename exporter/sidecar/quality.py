@@ -62,13 +62,15 @@ def ssim(image: NDArray[np.generic], baseline: NDArray[np.generic]) -> float:
 
 @dataclass(frozen=True)
 class Score:
-    """Quality of one probe: for a video, the worst frame's PSNR and SSIM and where they are."""
+    """Quality of one probe: for a video, the worst frame's PSNR and SSIM, where they are, and every frame's."""
 
     psnr: float
     ssim: float
     frames: int = 1
     worst_psnr_frame: int | None = None
     worst_ssim_frame: int | None = None
+    frame_psnr: tuple[float, ...] = ()  # a video's per-frame scores (empty for an image)
+    frame_ssim: tuple[float, ...] = ()
 
 
 def score(image: NDArray[np.generic], baseline: NDArray[np.generic]) -> Score:
@@ -86,7 +88,7 @@ def score_frames(frames: Sequence[NDArray[np.generic]] | NDArray[np.generic],
     ps = [psnr(f, b) for f, b in zip(frames, baseline, strict=True)]
     ss = [ssim(f, b) for f, b in zip(frames, baseline, strict=True)]
     wp, ws = int(np.argmin(ps)), int(np.argmin(ss))
-    return Score(ps[wp], ss[ws], len(ps), wp, ws)
+    return Score(ps[wp], ss[ws], len(ps), wp, ws, tuple(ps), tuple(ss))
 
 
 def quantile(values: Sequence[float], q: float) -> float:

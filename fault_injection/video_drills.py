@@ -1,0 +1,188 @@
+"""Drills on the practice service's video jobs: an untiled decode of a long clip, a cache on the distilled model.
+
+Both run on the ordinary one-rank drill stack (video jobs are on by default) while its image traffic goes
+on: every image request must still be answered.  Their blocks are in runbooks/drills.md ("Video and few-step
+serving"); the video jobs go through the public API (``POST /v1/videos``, polled), as a client's would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from stepwatch import httpclient
+from stepwatch.fault_injection import queries
+from stepwatch.fault_injection.drills import Drill, DrillResult
+from stepwatch.fault_injection.stack import LocalStack, _http
+
+DONE = ("succeeded", "failed", "cancelled")
+JOB_TIMEOUT_S = 300.0
+
+
+def submit_video(stack: LocalStack, **body: Any) -> dict[str, Any]:
+    """Create a video job (202) and return it; any other answer raises (the drill records it)."""
+    body.setdefault("prompt", "a slow pan over a harbour")
+    status, answer, _ = _http("POST", stack.service_url + "/v1/videos", body, timeout=60)
+    if status != 202 or not isinstance(answer, dict):
+        raise RuntimeError(f"POST /v1/videos {body}: HTTP {status}: {answer}")
+    return answer
+
+
+def wait_video(stack: LocalStack, job_id: str, timeout: float = JOB_TIMEOUT_S) -> dict[str, Any]:
+    """Poll a job until it ends (or the timeout: then its last view, still in flight)."""
+    deadline = time.time() + timeout
+    while True:
+        _status, job, _ = _http("GET", f"{stack.service_url}/v1/videos/{job_id}", timeout=30)
+        if not isinstance(job, dict) or job.get("status") in DONE or time.time() > deadline:
+            return dict(job) if isinstance(job, dict) else {"status": "unknown", "error": job}
+        time.sleep(0.25)
+
+
+def run_video(stack: LocalStack, **body: Any) -> dict[str, Any]:
+    return wait_video(stack, submit_video(stack, **body)["id"])
+
+
+def job_counters(stack: LocalStack) -> dict[str, float]:
+    """The service's own video job counters, read from its /metrics (exact: no scrape in between)."""
+    text = httpclient.request("GET", stack.service_url + "/metrics", timeout=30).text
+    out = {"created": 0.0, "succeeded": 0.0, "failed": 0.0, "cancelled": 0.0, "in_flight": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "stepwatch_video_jobs_created_total":
+                out["created"] += s.value
+            elif s.name == "stepwatch_video_jobs_finished_total":
+                out[s.labels["outcome"]] += s.value
+            elif s.name == "stepwatch_video_jobs_depth":
+                out["in_flight"] += s.value
+    return out
+
+
+def counters_add_up(c: dict[str, float]) -> bool:
+    return c["created"] == c["succeeded"] + c["failed"] + c["cancelled"] + c["in_flight"]
+
+
+class VideoVaeUntiled(Drill):
+    name = "video-vae-untiled"
+    doc_id = "video_vae_untiled"
+    # The failed job is no HTTP error (its client got 202); the long clip holds the one worker while it fails,
+    # so probes may time out and image clients may be shed with 429 behind it.
+    companions = ("video_jobs_failing", "probe_failing", "queue_wait")
+    baseline_accepts = frozenset({200, 429})
+    description = ("VAE tiling and the frame-chunked decode off, and a long clip (256x256, 121 frames): the whole clip "
+                   "decodes at full resolution at once and does not fit. The OOM and memory alerts fire, that job "
+                   "fails with a clear error, the worker serves the next job and the images throughout.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        info = stack.info()
+        r.details["serving_knobs"] = info["knobs"]
+        r.details["worker_pid_before"] = info["worker"]["pid"]
+        r.details["worker_rss_before"] = info["worker"]["rss_bytes"]
+        r.details["jobs_before"] = job_counters(stack)
+        stack.knobs(**self.inject_knobs())
+        tr = self.spec.traffic
+        job = run_video(stack, **dict(tr["video"]))
+        err = job.get("error") or {}
+        msg = str(err.get("message", ""))
+        r.details["long_job"] = {k: job.get(k) for k in ("id", "status", "step", "steps", "frames", "size", "error")}
+        r.checks["long_job_fails_out_of_memory"] = job.get("status") == "failed" and err.get("code") == "out_of_memory"
+        r.checks["error_names_stage_frames_and_fix"] = ("vae_decode" in msg and str(tr["video"]["frames"]) in msg
+                                                        and "fix:" in msg and "tiling" in msg)
+        then = tr.get("then", {})
+        nxt = run_video(stack, **dict(then.get("video") or {}))
+        r.details["next_job"] = {k: nxt.get(k) for k in ("id", "status", "frames", "size")}
+        r.checks["next_job_succeeds"] = nxt.get("status") == then.get("expect_status", "succeeded")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        c = job_counters(stack)
+        r.details["jobs_while_firing"] = c
+        r.checks["job_counters_add_up"] = counters_add_up(c)
+        before = r.details.get("jobs_before") or {}
+        r.checks["one_more_failed_job"] = c["failed"] - before.get("failed", 0.0) == 1
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        knobs = self.restore_knobs(r.details.get("serving_knobs", {}))
+        if knobs:
+            stack.knobs(**knobs)
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        info = stack.info()
+        before, now = r.details.get("worker_rss_before"), info["worker"]["rss_bytes"]
+        r.details["worker_rss_after"] = now
+        r.checks["same_worker_no_restart"] = info["worker"]["pid"] == r.details.get("worker_pid_before")
+        within = self.criteria.rss_back_within
+        r.checks["memory_back_near_baseline"] = bool(before and now and abs(now - before) <= within * before)
+        job = run_video(stack)
+        r.checks["jobs_served_after_restore"] = job.get("status") == "succeeded"
+        r.checks["job_counters_add_up_after"] = counters_add_up(job_counters(stack))
+
+
+class VideoJobLoop:
+    """Default video jobs one after another on a thread (a client that keeps submitting), until stopped."""
+
+    def __init__(self, stack: LocalStack, body: dict[str, Any]) -> None:
+        self.stack, self.body = stack, body
+        self.statuses: dict[str, int] = {}
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="stepwatch-video-jobs")
+
+    def start(self) -> VideoJobLoop:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                status = str(run_video(self.stack, **self.body).get("status"))
+            except Exception as e:  # recorded; the drill judges by it
+                self.errors.append(f"{type(e).__name__}: {e}")
+                status = "error"
+                self._stop.wait(1.0)
+            self.statuses[status] = self.statuses.get(status, 0) + 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=JOB_TIMEOUT_S)
+
+
+class CacheOnDistilled(Drill):
+    name = "cache-on-distilled"
+    doc_id = "cache_on_distilled"
+    in_place_when_injected = True  # one knob (the video cache changes no compiled graph: it answers at once)
+    companions = ("probe_failing",)
+    description = ("A cross-step cache turned on for the few-step (distilled) video model: its jobs reuse steps at "
+                   "once. No baseline is set; the exporter knows the requests are few-step, the alert fires on the "
+                   "first hits and triage names the cache on a distilled model. The jobs still succeed.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details["serving_knobs"] = stack.info()["knobs"]
+        r.details["few_step_hits_before"] = stack.prom.value(queries.few_step_hits()) or 0.0
+        r.details["_jobs"] = VideoJobLoop(stack, dict(self.spec.traffic.get("video") or {})).start()
+        stack.knobs(**self.inject_knobs())
+        r.notes.append(f"knobs {self.inject_knobs()}: the few-step video model now reuses steps")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        hits = stack.prom.value(queries.few_step_hits()) or 0.0
+        r.details["few_step_hits"] = hits
+        r.checks["few_step_hits_counted"] = hits > r.details.get("few_step_hits_before", 0.0)
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        loop: VideoJobLoop | None = r.details.pop("_jobs", None)
+        if loop is not None:
+            loop.stop()
+            r.details["video_job_statuses"] = dict(loop.statuses)
+            r.checks["video_jobs_succeed_meanwhile"] = set(loop.statuses) == {"succeeded"}
+            if loop.errors:
+                r.notes.append(f"video job client errors: {loop.errors[:3]}")
+        knobs = self.restore_knobs(r.details.get("serving_knobs", {}))
+        if knobs:
+            stack.knobs(**knobs)
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        r.checks["job_counters_add_up"] = counters_add_up(job_counters(stack))
+
+
+VIDEO_DRILLS: tuple[type[Drill], ...] = (VideoVaeUntiled, CacheOnDistilled)
