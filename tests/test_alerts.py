@@ -342,7 +342,8 @@ def test_loader_keeps_its_public_api(th: Any, tmp_path: Path) -> None:
     assert (spec.key, spec.threshold, spec.for_seconds("production")) == ("step_time_regression", 1.2, 600)
     assert th.by_name(spec.name) is spec
     assert th.quality.gate() == 30.0 and th.quality.alert_below() == 27.0
-    assert th.alert("probe_failing").extra == {"missed_probes": 3}
+    assert th.alert("probe_failing").extra == {"missed_probes": 3,
+                                               "cause_lookback": {"production": "25m", "drill": "90s"}}
     with pytest.raises(KeyError, match=r"alerts\.nope"):
         th.alert("nope")
     bad = tmp_path / "bad.yaml"
