@@ -357,14 +357,15 @@ def rank_steps_settled(s: ServiceProc, since: Samples | None = None, steps: int 
     """Metrics once rank 0 has published every finished request: the per-rank gauges follow a request by
     up to two shipping intervals (the ranks ship their stamps every second), so a scrape right after the
     response may still show the one before.  With ``steps``: until both ranks counted that many steps
-    since ``since``; without: until the counters stop moving."""
+    since ``since``; without: until the counters are above zero (the warm-up's steps arrived: on a loaded
+    host two scrapes 1.5 s apart can both come before the first shipment) and stop moving."""
     deadline, prev = time.monotonic() + timeout, None
     while True:
         m = s.metrics()
         counts = [total(m, "stepwatch_rank_steps_total", rank=r) - (total(since, "stepwatch_rank_steps_total", rank=r)
                                                                      if since is not None else 0.0)
                   for r in ("0", "1")]
-        if (counts == [steps, steps]) if steps is not None else counts == prev:
+        if (counts == [steps, steps]) if steps is not None else (counts == prev and min(counts) > 0):
             return m
         assert time.monotonic() < deadline, f"rank steps never settled: {counts} (want {steps})"
         prev = counts
