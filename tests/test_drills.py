@@ -22,6 +22,7 @@ from stepwatch.fault_injection.recording import revision
 from stepwatch.fault_injection.registry import ALL_DRILLS, BY_NAME_ONLY, DRILLS, SEED_DRILLS
 from stepwatch.fault_injection.report import render_markdown
 from stepwatch.fault_injection.stack import Notification, starts_at
+from stepwatch.promapi import Sample
 from stepwatch.runbooks.parse import CAUSES, load_drills, runbooks_dir
 
 TH = load()
@@ -125,6 +126,50 @@ def test_a_drill_whose_alert_is_already_pending_is_not_run() -> None:
     quiet.criteria = replace(quiet.criteria, quiet_deadline_s=30.0)
     r2 = DrillResult(drill.name, drill.expected)
     assert quiet._steady(drill, r2, _Watch(), steady_s=0) and r2.checks["quiet_before_injection"]
+
+
+class _StepProm(_AlertsProm):
+    """Nothing firing; the per-shape step time of the steady traffic answers ``rows`` (shape -> seconds)."""
+
+    def __init__(self, rows: dict[str, float]) -> None:
+        super().__init__([])
+        self.rows = rows
+        self.asked: list[str] = []
+
+    def query(self, q: str) -> list[Sample]:
+        self.asked.append(q)
+        return [Sample({"shape": k}, v) for k, v in self.rows.items()]
+
+
+class _BaselineStack(_QuietStack):
+    def __init__(self, prom: _AlertsProm) -> None:
+        super().__init__(prom)
+        self.published: list[dict] = []
+
+    def knobs(self, **kw: object) -> None:
+        self.published.append(json.loads(json.dumps(kw)))
+
+
+def test_each_drill_remeasures_the_step_baselines_on_its_steady_traffic() -> None:
+    """The host's drift since calibration is not the fault: step baselines come from the minutes before it."""
+    prom = _StepProm({"512x512_8s": 0.0188, "256x256_8s": float("nan"), "1024x1024_8s": 0.05, "other": 0.3})
+    stack = _BaselineStack(prom)
+    runner = Runner(stack, TH)  # type: ignore[arg-type]
+    runner.baselines = {"512x512_8s": {"step_seconds": 0.023, "cache_hit_ratio": 0.37},
+                        "256x256_8s": {"step_seconds": 0.0093, "cache_hit_ratio": 0.36}}
+    drill = DRILLS["cache-off"](TH)
+    r = DrillResult(drill.name, drill.expected)
+    assert runner._steady(drill, r, _Watch(), steady_s=25)
+    assert prom.asked and "[25s]" in prom.asked[0]
+    assert r.details["step_baselines_remeasured"] == {"512x512_8s": [0.023, 0.0188]}
+    assert stack.published == [{"baselines": {"shapes": {
+        "512x512_8s": {"step_seconds": 0.0188, "cache_hit_ratio": 0.37},  # the hit rate stays as calibrated
+        "256x256_8s": {"step_seconds": 0.0093, "cache_hit_ratio": 0.36}}}}]  # no steps measured: kept
+    # Too short a steady phase for a rate (under two scrapes): nothing measured, nothing published.
+    short = Runner(_BaselineStack(_StepProm({"512x512_8s": 0.5})), TH)  # type: ignore[arg-type]
+    short.baselines = {"512x512_8s": {"step_seconds": 0.023}}
+    assert short._steady(drill, DrillResult(drill.name, drill.expected), _Watch(), steady_s=0)
+    assert short.baselines["512x512_8s"]["step_seconds"] == 0.023
 
 
 def test_baseline_traffic_must_get_200s() -> None:
