@@ -20,7 +20,8 @@ from stepwatch.alerts.thresholds import ThresholdsError, parse_duration
 from stepwatch.runbooks.parse import runbooks_dir
 
 _BLOCK = re.compile(r"^```drill-criteria[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
-DURATIONS = ("goal", "seeds_bar", "detect_deadline", "resolve_deadline", "quiet_deadline", "steady", "calibration")
+DURATIONS = ("goal", "seeds_bar", "detect_deadline", "resolve_deadline", "quiet_deadline", "leftover_deadline",
+             "steady", "calibration")
 RATIOS = ("step_time_at_most", "p99_rises_above", "p50_stays_below", "rss_back_within")
 
 
@@ -35,6 +36,7 @@ class Criteria:
     detect_deadline_s: float
     resolve_deadline_s: float
     quiet_deadline_s: float
+    leftover_deadline_s: float
     steady_s: float
     calibration_s: float
     step_time_at_most: float

@@ -636,6 +636,9 @@ class Runner:
         w.leftover = self.wait_quiet({drill.expected} | self.critical, r=r)
         if w.leftover:
             r.notes.append(f"still firing before injection: {sorted(w.leftover)}")
+        # Any other alert still firing from the drill before would join this drill's incident: a CPU-contention
+        # step-time alert was grouped under the frozen worker's lingering probe failures and named worker_hung.
+        self.wait_quiet(self._firing_names(r), timeout=self.criteria.leftover_deadline_s, r=r)
         already = self._firing_names(r)
         if already:
             r.notes.append(f"firing before injection (not counted against the drill): {sorted(already)}")

@@ -499,6 +499,8 @@ class Service:
                 worker = dict(self.worker.call({"op": "info", "id": ""}).result(timeout=30))
             except Exception:
                 worker = {}
+        if worker.get("pid") is None:  # warming up, or answering nothing: the process's own pid, if one runs
+            worker["pid"] = self.worker.pid()
         return {
             "instance_id": self.instance_id, "fingerprint": self.fingerprint,
             "fingerprint_id": fingerprint_id(self.fingerprint) if self.fingerprint else None,

@@ -155,6 +155,10 @@ class WorkerClient:
     def alive(self) -> bool:
         return self.proc is not None and bool(self.proc.is_alive())
 
+    def pid(self) -> int | None:
+        """The worker process's pid while it runs (warming up included), else None."""
+        return int(self.proc.pid) if self.alive() and self.proc.pid else None
+
     def stop(self) -> None:
         self.generation += 1  # a death from here on is expected
         self.stopped = True

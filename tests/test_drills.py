@@ -172,6 +172,18 @@ def test_each_drill_remeasures_the_step_baselines_on_its_steady_traffic() -> Non
     assert short.baselines["512x512_8s"]["step_seconds"] == 0.023
 
 
+def test_a_drill_waits_for_a_previous_faults_leftover_alerts() -> None:
+    """Another alert still firing would join this drill's incident: the runner waits until it resolves."""
+    leftover = {"labels": {"alertname": "StepwatchQualityProbeFailing"}, "state": "firing"}
+    prom = _AlertsProm([leftover], [leftover], [leftover], [])
+    runner = Runner(_QuietStack(prom), TH)  # type: ignore[arg-type]
+    runner.criteria = replace(runner.criteria, leftover_deadline_s=30.0)
+    drill = DRILLS["cpu-contention"](TH)
+    r = DrillResult(drill.name, drill.expected)
+    assert runner._steady(drill, r, _Watch(), steady_s=0)
+    assert prom.states == [[]] and "firing before injection" not in " ".join(r.notes)
+
+
 def test_baseline_traffic_must_get_200s() -> None:
     class Codes:
         def __init__(self, codes: dict[int, int]) -> None:
