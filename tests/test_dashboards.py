@@ -456,9 +456,20 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         status, body, _ = st.generate(size="384x384")  # not warmed up: a serving recompile
         assert status == 200, body
         _video_job_with_a_cache(st)
+        # The job's hits reach Prometheus through the worker, the service and a scrape: on a loaded host more
+        # than the two scrapes below (the few-step panel came back empty once in a clean-clone run).
+        _wait_for_series(st.prom, "stepwatch_cache_few_step_hits_total", timeout=60)
         time.sleep(12)  # two scrapes and a rule evaluation after the last event
         st.end = time.time()
         yield st
+
+
+def _wait_for_series(prom: Any, name: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not prom.query(name):
+        if time.time() > deadline:
+            raise AssertionError(f"{name} never reached Prometheus in {timeout:.0f}s")
+        time.sleep(1)
 
 
 def _video_job_with_a_cache(st: Any) -> None:
