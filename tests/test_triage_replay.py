@@ -238,7 +238,7 @@ COMMITTED = {"faults": 73, "controls": 43, "false_alarms": 18}  # triage/README.
 # Cases recorded fresh and wrong on the runbooks as they are: open defects, kept in the set so that the score
 # says so (triage/README.md); a fix is scored on a fresh recording, not on these.  All five from run 9.
 KNOWN_MISSES: set[str] = {
-    "worker-killed-9",  # cold_start: the restart counter moves only once the new worker is ready
+    "worker-killed-9",  # cold_start: the second kill waited 65 s for a ready worker; the restarts left the window
     "cpu-contention-9",  # worker_hung: its stall checks read requests slowed 1.47x past the limit as a stall
     "cpu-contention-9-as-quality-probe-failing",  # the same incident
     "compile-cache-dropped-9-as-quality-probe-failing",  # config_changed: the re-warm check sees the recompiles
