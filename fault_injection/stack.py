@@ -352,6 +352,7 @@ class LocalStack:
         self.prom: Prometheus
         self.am: Alertmanager | None = None
         self.started = 0.0
+        self.prometheus_started = 0.0  # the first scrape: event queries need one rate window of history after it
 
     # ----- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> LocalStack:
@@ -369,6 +370,7 @@ class LocalStack:
             self.alertmanager_url, self.sidecar_url = a.alertmanager, a.sidecar
             self.admin_token = a.admin_token or ADMIN_TOKEN
             self.prom = Prometheus(self.prometheus_url)
+            self.prometheus_started = self.started
             self.am = Alertmanager(a.alertmanager) if a.alertmanager else None
             self.webhook = None
             self.progress(f"attached to {self.service_url} and {self.prometheus_url}")
@@ -520,6 +522,7 @@ class LocalStack:
         self._wait(lambda: self.prom.ready(), "prometheus", deadline)
         jobs = {cfgs.SERVICE_JOB} | ({cfgs.SIDECAR_JOB} if self.with_sidecar else set())
         self.prom.wait_targets_up(jobs, timeout=max(30.0, deadline - time.time()))
+        self.prometheus_started = time.time()
 
     def _ready(self) -> bool:
         return httpclient.ok(self.service_url + "/readyz")

@@ -447,8 +447,10 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             st.knobs(baselines={"shapes": base})  # what this deployment measures now: lines next to the data
             time.sleep(25)
         # Event panels show a counter's first event once Prometheus has one rate interval of history for
-        # the job (so a restarted Prometheus does not mistake old counters for new events): give it that.
-        time.sleep(max(0.0, st.started + 80 - time.time()))
+        # the job (so a restarted Prometheus does not mistake old counters for new events): give it that,
+        # counted from Prometheus' first scrape, not the stack's start (Prometheus starts last; on a 2-core
+        # CI host the compile and the few-step hits below fell inside its first minute, and panels were empty).
+        time.sleep(max(0.0, st.prometheus_started + 80 - time.time()))
         st.knobs(vae_tiling=False)
         status, body, _ = st.generate(size="2048x2048", steps=1)
         assert status == 507, body
