@@ -155,3 +155,28 @@ def instrumented_class(cls: type) -> type:
     })
     _CLASS_CACHE[cls] = sub
     return sub
+
+
+def encode_kv_cache(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Around pipeline.encode_kv_cache (chunked autoregressive video; once per chunk but the last): the chunk's
+    frames are out when it starts, and the cache it returns is read for its bytes (tensor sizes only)."""
+    local = inst._local
+
+    def encode_kv_cache(*args: Any, **kwargs: Any) -> Any:
+        req = getattr(local, "req", None)
+        stream = req.stream if req is not None else None
+        if stream is not None:
+            try:
+                stream.outs.append(inst.clock.mark())
+            except Exception as e:
+                inst._guard.fail(patches.ENCODE_KV_CACHE, e)
+        out = fn(*args, **kwargs)
+        if stream is not None:
+            try:
+                inst._kv_read(req, out, args[1] if len(args) > 1 else kwargs.get("kv_cache_flag"))
+            except Exception as e:
+                inst._guard.fail(patches.ENCODE_KV_CACHE, e)
+        return out
+
+    encode_kv_cache.__wrapped__ = fn  # type: ignore[attr-defined]
+    return encode_kv_cache

@@ -38,7 +38,7 @@ import yaml
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from stepwatch import __version__
-from stepwatch.exporter import caches, hooks, ledger, patches, spans
+from stepwatch.exporter import caches, chunks, hooks, ledger, patches, spans
 from stepwatch.exporter.clock import Clock, clock_for
 from stepwatch.exporter.compile_watch import WATCH
 from stepwatch.exporter.cpu import runqueue_wait_seconds
@@ -84,6 +84,8 @@ class InstrumentOptions:
     # The most steps a request without CFG may run and still be few-step (a distilled model's, whose cache must
     # never hit); None: ``few_step.max_steps`` of the packaged alerts/thresholds.yaml.
     few_step_max_steps: int | None = None
+    # Playback rate of a chunked video pipeline's frames, for the real-time factor (exporter/chunks.py).
+    stream_fps: float = chunks.DEFAULT_FPS
 
 
 class _Guard:
@@ -163,6 +165,8 @@ class Instrumentation:
         self._pending_lock = threading.Lock()
         self._tracer = spans.make_tracer(options.tracer_provider)
         self._ledger: ledger.LedgerModel | None = None
+        self._chunks: chunks.ChunkModel | None = None  # set for a chunked autoregressive video pipeline
+        self._stream: chunks.StreamPublisher | None = None
         self._sig = CallSignature(type(pipe))
         self._find_cache = caches.CacheFinder()
         self._components_key: tuple[int, ...] = ()
@@ -197,6 +201,9 @@ class Instrumentation:
                 self._ledger = ledger.ledger_model(transformer)
             except Exception as e:
                 self._guard.fail("ledger.model", e)
+            self._chunks = chunks.model_for(self.pipe, transformer)
+            if self._chunks is not None:
+                self._stream = chunks.StreamPublisher(MetricSet.shared(m.registry, "stream"))
         if self.options.baselines is not None:
             self.set_baselines(self.options.baselines)
         for shape in [*sorted(self.labeler.known), "other"]:
@@ -253,6 +260,8 @@ class Instrumentation:
             mod = getattr(pipe, comp, None)
             if mod is not None and hasattr(mod, "cache_context"):
                 reg.wrap(patches.cache_context(comp), mod, "cache_context", lambda fn: hooks.cache_context(self, fn))
+        if self._chunks is not None:
+            reg.wrap(patches.ENCODE_KV_CACHE, pipe, "encode_kv_cache", lambda fn: hooks.encode_kv_cache(self, fn))
         vae = getattr(pipe, "vae", None)
         if vae is not None and hasattr(vae, "decode"):
             reg.wrap(patches.VAE_DECODE, vae, "decode", lambda fn: hooks.stage(self, fn, "vae"))
@@ -290,7 +299,13 @@ class Instrumentation:
 
     def _denoise_start(self, req: RequestMarks) -> None:
         self._close_stage_memory(req)
-        req.denoise_start = self.clock.mark()
+        mark = self.clock.mark()
+        if req.stream is not None:  # once per chunk: denoising started with the first
+            req.stream.starts.append(mark)
+            if req.denoise_start is None:
+                req.denoise_start = mark
+        else:
+            req.denoise_start = mark
         req.stage = "denoise"
         ts = getattr(getattr(self.pipe, "scheduler", None), "timesteps", None)
         if ts is not None:
@@ -319,11 +334,14 @@ class Instrumentation:
         WATCH.ensure()
         self._drain_pending()
         den = denoiser(self.pipe)
-        req = marks_for(self.pipe, self._sig.bind(args, kwargs), start=self.clock.mark(), start_unix=time.time(),
+        params = self._sig.bind(args, kwargs)
+        req = marks_for(self.pipe, params, start=self.clock.mark(), start_unix=time.time(),
                         text_tokens=self.options.text_tokens,
                         parent_ctx=spans.capture_parent() if self._tracer is not None else None,
                         cache=self._find_cache(den) if den is not None else None)
         req.capacity = self.memory.capacity_bytes()
+        if self._chunks is not None:
+            req.stream = chunks.marks_for(self._chunks, params)
         req.rank_request = rank_request if rank_request is not None else -1
         self.memory.reset_peak()
         self._local.req = req
@@ -368,6 +386,8 @@ class Instrumentation:
         if req.denoise_start is not None:  # this call set the guidance the property reads
             req.batch_cfg = batch_cfg(self.pipe)
         self._close_stage_memory(req)
+        if self._stream is not None and req.stream is not None:
+            self._stream.done(id(req.stream))
         if exc is not None:
             self._record_failure(req, exc)
         phase = self.phase
@@ -414,6 +434,8 @@ class Instrumentation:
             return
         report = self.last_report = r.report
         self._guarded("emit.metrics", self.publisher.publish, report)
+        if req.stream is not None:
+            self._guarded("emit.stream", self._emit_stream, req, report)
         if report.shape is not None and report.shape.few_step(self.few_step_max_steps):
             report.extra["few_step"] = True
             if phase == "serving":  # warm-up forces hits on purpose (compiling the cache's path)
@@ -425,6 +447,29 @@ class Instrumentation:
             self._guarded("ranks", self.options.rank_reporter.report, report, req.rank_request)
         if self.options.on_report is not None:
             self._guarded("on_report", self.options.on_report, report)
+
+    def _kv_read(self, req: RequestMarks, kv_cache: Any, flag: Any) -> None:
+        """After a chunk was encoded into the cache: its bytes (tensor sizes), and the worker's KV gauges."""
+        stream, model = req.stream, self._chunks
+        allocated, element = chunks.cache_bytes(kv_cache)
+        cached = int(flag.get("num_cached_chunks", 0)) if isinstance(flag, dict) else len(stream.outs)
+        reading = chunks.KvReading(allocated, element, cached)
+        stream.kv.append(reading)
+        if self._stream is not None and model is not None and req.height and req.width:
+            window = model.window_tokens(req.height, req.width, stream.partition)
+            self._stream.live(id(stream), allocated,
+                              chunks.in_use_bytes(model, stream, reading, req.height, req.width),
+                              model.kv_bytes(window, element, stream.batch))
+
+    def _emit_stream(self, req: RequestMarks, report: RequestReport) -> None:
+        """A chunked call's chunk latencies, real-time factors and KV reading, into its report and the series."""
+        if self._chunks is None or self._stream is None:
+            return
+        last_out = (req.vae_spans[0][0] if req.vae_spans else req.end) if req.outcome == "ok" else None
+        report.stream = chunks.resolve(self._chunks, req.stream, self.clock.seconds, req.start, last_out,
+                                       req.height, req.width, self.options.stream_fps)
+        if report.stream is not None:
+            self._stream.publish(report.stream)
 
     def _guarded(self, component: str, fn: Callable[..., Any], *args: Any) -> None:
         try:

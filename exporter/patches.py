@@ -18,6 +18,7 @@ ENCODE_PROMPT = "encode_prompt"
 SET_TIMESTEPS = "scheduler.set_timesteps"
 STEP = "scheduler.step"
 VAE_DECODE = "vae.decode"
+ENCODE_KV_CACHE = "encode_kv_cache"  # chunked autoregressive video only (exporter/chunks.py)
 DENOISERS = ("transformer", "transformer_2", "unet")
 # The pipeline attributes whose objects carry patches; a patch on one of them follows that object.
 COMPONENTS = ("scheduler", *DENOISERS, "vae")

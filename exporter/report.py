@@ -36,6 +36,7 @@ class RequestReport:
     failed_stage: str | None = None
     error: str | None = None
     start_unix: float = 0.0
+    stream: Any = None  # chunks.StreamReport of a chunked autoregressive video call
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -68,6 +68,7 @@ class RequestMarks:
     oom_demand: int | None = None
     batch_cfg: bool | None = None  # the pipeline's do_classifier_free_guidance, read once at request end
     rank_request: int = -1  # this request's index on the rank reporter's timeline (see exporter/ranks.py)
+    stream: Any = None  # chunks.StreamMarks for a chunked autoregressive video call
     add: Callable[[Any], None] = field(init=False, repr=False)
     take: Callable[[], dict[str, Any]] | None = field(init=False, repr=False)
 

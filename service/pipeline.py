@@ -1,10 +1,11 @@
 """The practice pipelines: real diffusers pipelines built offline from small configs.
 
 ``build_pipeline()`` makes a FluxPipeline (or a WanPipeline, the video family,
-or a StableDiffusion3Pipeline, the family that runs CFG as one transformer call
-on a doubled batch) with random weights drawn from a fixed seed: no hub, no
-downloads, and two processes with the same seed build bit-identical pipelines.  Given ``model``, a
-local model directory, the same function loads a real model instead
+a StableDiffusion3Pipeline, the family that runs CFG as one transformer call
+on a doubled batch, or an AnyFlowFARPipeline, chunked autoregressive video over
+a KV cache) with random weights drawn from a fixed seed: no hub, no downloads,
+and two processes with the same seed build bit-identical pipelines.  Given
+``model``, a local model directory, the same function loads a real model instead
 (``DiffusionPipeline.from_pretrained``), which is what a GPU pod runs.
 Only processes that build a pipeline import this module (it imports torch).
 """
@@ -19,9 +20,12 @@ from typing import Any
 
 import torch
 from diffusers import (
+    AnyFlowFARPipeline,
+    AnyFlowFARTransformer3DModel,
     AutoencoderKL,
     AutoencoderKLWan,
     DiffusionPipeline,
+    FlowMapEulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -44,7 +48,7 @@ from transformers import (
 
 log = logging.getLogger("stepwatch.service.pipeline")
 
-FAMILIES = ("flux", "wan", "sd3")
+FAMILIES = ("flux", "wan", "sd3", "far")
 # A word-level vocabulary: prompts are split on whitespace and unknown words map to [UNK],
 # which is all a random-weight text encoder needs.
 _VOCAB_SIZE = 1000
@@ -155,6 +159,30 @@ def _tiny_wan(seed: int) -> Any:
     return pipe
 
 
+def _tiny_far(seed: int) -> Any:
+    """Causal FAR over Wan (seed 002's autoregressive video): the tiny Wan's text encoder and VAE, a FAR transformer
+    of 2 heads x 12 in 2 layers with chunks of (1, 2, 2, 2) latent frames (25 frames), few-step flow-map
+    sampling.  64^2 x 25 frames x 4 steps per chunk runs in a few seconds on a CPU."""
+    vocab = _VOCAB_SIZE + len(_SPECIALS)
+    _seeded(seed, 1)
+    umt5 = UMT5EncoderModel(UMT5Config(
+        vocab_size=vocab, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=_VOCAB_SIZE + 1, eos_token_id=_VOCAB_SIZE + 2))
+    _seeded(seed, 3)
+    transformer = AnyFlowFARTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2,
+        rope_max_seq_len=64, chunk_partition=(1, 2, 2, 2))
+    _seeded(seed, 4)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])
+    pipe = AnyFlowFARPipeline(tokenizer=_tokenizer(512, "</s>"), text_encoder=umt5, vae=vae,
+                              scheduler=FlowMapEulerDiscreteScheduler(), transformer=transformer)
+    parts: list[Any] = [umt5, transformer, vae]
+    for m in parts:
+        m.eval().requires_grad_(False)
+    return pipe
+
+
 def _tiny_sd3(seed: int) -> Any:
     """SD3's parts at the sizes of diffusers' own SD3 pipeline tests (two CLIP encoders of width 32, an MMDiT of
     4 heads x 8), with real SD3's 2x2 patches and 16 latent channels and the FLUX family's 8x VAE: 64^2 is 16
@@ -200,6 +228,8 @@ def build_pipeline(family: str = "flux", model: str | os.PathLike[str] | None = 
         pipe = _tiny_wan(seed)
     elif family == "sd3":
         pipe = _tiny_sd3(seed)
+    elif family == "far":
+        pipe = _tiny_far(seed)
     else:
         raise ValueError(f"unknown pipeline family {family!r}; choose one of {', '.join(FAMILIES)}")
     if torch_dtype is not None and model is None:

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Kind = Literal["counter", "gauge", "histogram", "summary", "info"]
-Owner = Literal["exporter", "service", "sidecar"]
+# "stream": the exporter's series for chunked autoregressive video, registered only where such a pipeline is
+# instrumented (an image worker exposes none of them).
+Owner = Literal["exporter", "stream", "service", "sidecar"]
 
 # 0.5 ms .. 300 s: resolves 5 ms steps on a GPU and 60 s+ compiles in one family.
 DURATION_BUCKETS: tuple[float, ...] = (
@@ -28,6 +30,10 @@ POSITION_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0
 PSNR_BUCKETS: tuple[float, ...] = (10, 15, 20, 24, 26, 28, 30, 32, 35, 40, 50, 60, 100)
 # Peak memory / capacity per request.  0.9 is the memory alert's threshold and must stay a
 # boundary (validated by the rule generator); > 1 is an OOM's failed demand.
+# Chunk latency of streaming video: sub-second first chunks on a GPU (seed 002) to tens of seconds on a CPU.
+CHUNK_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+# Generation seconds / playback seconds per chunk; 1.0 (the stall line) must stay a boundary.
+REALTIME_FACTOR_BUCKETS: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 MEMORY_RATIO_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.5)
 
 
@@ -167,6 +173,30 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_service_knob_override_active", "gauge",
        "1 while a runtime knob (cache, cache_threshold, vae_tiling, compile, attention_backend) differs from the "
        "value the service started with; 0 again once it is restored.", ("knob",), "service"),
+    # --- in-process exporter, chunked autoregressive video (exporter/chunks.py) ---------------
+    _m("stepwatch_stream_first_chunk_seconds", "histogram",
+       "Call start to the first chunk's frames out: what a streaming client waits before its first frames.",
+       (), "stream", CHUNK_BUCKETS),
+    _m("stepwatch_stream_chunk_duration_seconds", "histogram",
+       "Latency of one chunk: the previous chunk's frames out to this one's (the first from the call's start).",
+       (), "stream", CHUNK_BUCKETS),
+    _m("stepwatch_stream_chunk_index_duration_seconds", "summary",
+       "Chunk latency by chunk-index range (0, 1, 2-3, 4-7, 8-15, 16+): later chunks should take constant "
+       "time; a rising trend is a window or a cache that grows.", ("chunk_index",), "stream"),
+    _m("stepwatch_stream_realtime_factor_ratio", "histogram",
+       "A chunk's latency over the seconds its frames play (chunks after the first): above 1 the stream stalls.",
+       (), "stream", REALTIME_FACTOR_BUCKETS),
+    _m("stepwatch_stream_kv_cache_bytes", "gauge",
+       "KV cache of the chunked calls in flight on this worker, from the pipeline's cache tensors: allocated, "
+       "and in_use (the share of the window the chunks encoded so far fill); 0 when none runs.",
+       ("state",), "stream"),
+    _m("stepwatch_stream_kv_cache_ledger_bytes", "gauge",
+       "The KV ledger's bytes for the chunked calls in flight: 2 x d x layers x bytes per element x window "
+       "tokens x batch (seed 002).  Next to the measured bytes: a mismatch is a cache the ledger does not know.",
+       (), "stream"),
+    _m("stepwatch_stream_kv_window_tokens", "gauge",
+       "Tokens the KV window of the last chunked call holds (full-resolution chunks plus compressed older ones).",
+       (), "stream"),
     # --- practice service: asynchronous video jobs (POST /v1/videos) ----------------------
     _m("stepwatch_video_jobs_created_total", "counter", "Video jobs accepted (202).", ("pool",), "service"),
     _m("stepwatch_video_jobs_finished_total", "counter",
@@ -225,7 +255,7 @@ METRICS: tuple[MetricDef, ...] = (
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}
 
 _NAME_RE = re.compile(r"^stepwatch_[a-z]+_[a-z0-9_]+$")
-_UNITS = ("_seconds", "_bytes", "_ratio", "_total", "_flops", "_per_second", "_hertz", "_celsius",
+_UNITS = ("_seconds", "_bytes", "_tokens", "_ratio", "_total", "_flops", "_per_second", "_hertz", "_celsius",
           "_watts", "_decibels", "_stale", "_ok", "_up", "_depth", "_ready", "_branches", "_active")
 
 

@@ -40,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "service": ("stepwatch.service.cli_bench", "service throughput and latency vs the bare pipeline"),
         "exposition": ("stepwatch.exporter.cli_bench_exposition",
                        "series, bytes and render time of /metrics at fleet cardinality"),
+        "stream": ("stepwatch.exporter.bench_stream",
+                   "per-chunk cost of the hooks on chunked autoregressive video, bare vs instrumented"),
     },
     "gpu-check": ("stepwatch.exporter.cli_gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
 }

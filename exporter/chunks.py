@@ -1,0 +1,254 @@
+"""Chunked autoregressive video (seed 002): chunk times, the real-time factor and the KV cache.
+
+A pipeline of this kind (diffusers' ``AnyFlowFARPipeline``: causal FAR over Wan) denoises a clip chunk by
+chunk, each chunk attending to the past ones through a KV cache that the pipeline allocates once per call
+and fills after each chunk (``encode_kv_cache``).  It is recognised by that method and by the denoiser's
+``chunk_partition``; nothing else in the exporter changes for it.
+
+What is recorded, and where:
+
+  scheduler.set_timesteps   once per chunk: the chunk's start (the existing hook; the first one also
+                            starts the denoise stage)
+  pipeline.encode_kv_cache  after each chunk but the last: its frames are out (a streaming host decodes
+                            and sends them in the step callback, which runs before this), and the cache's
+                            tensors are read for their bytes once per chunk (sizes only: no device sync)
+
+Chunk i's latency is the time between chunk i-1's frames and chunk i's (the first from the request's
+start: what a client waits for its first frames).  The last chunk's frames are out when the VAE decode
+starts, or the call returns (a host that decoded per chunk asks for latents).  The real-time factor is a
+chunk's latency over the seconds its frames play: above 1 the stream stalls.
+
+The KV ledger (seed 002): 2 (K and V) x d x layers x bytes per element per token, times the tokens the
+window holds (the last ``full_chunk_limit`` chunks at full resolution, the older ones through FAR's
+compressed patches) and the batch (doubled under CFG).  The tiny practice model's measured bytes equal it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from stepwatch.metrics import MetricSet
+
+# Index ranges for the chunk-latency trend: bounded labels (a chunk index is never a label value).
+INDEX_RANGES: tuple[tuple[int, int, str], ...] = (
+    (0, 0, "0"), (1, 1, "1"), (2, 3, "2-3"), (4, 7, "4-7"), (8, 15, "8-15"), (16, 1 << 30, "16+"))
+DEFAULT_FPS = 16.0  # Wan's playback rate; InstrumentOptions.stream_fps overrides it
+
+
+def index_range(i: int) -> str:
+    for lo, hi, label in INDEX_RANGES:
+        if lo <= i <= hi:
+            return label
+    return INDEX_RANGES[-1][2]
+
+
+@dataclass(frozen=True)
+class ChunkModel:
+    """What the chunk timings and the KV ledger need from a chunked pipeline, read once."""
+
+    partition: tuple[int, ...]  # latent frames per chunk (the default; a call may pass its own)
+    layers: int
+    heads: int
+    head_dim: int
+    full_chunk_limit: int
+    patch: tuple[int, int, int]
+    compressed_patch: tuple[int, int, int]
+    spatial: int  # VAE spatial scale
+    temporal: int  # VAE temporal scale
+
+    @property
+    def hidden(self) -> int:
+        return self.heads * self.head_dim
+
+    def tokens_per_frame(self, height: int, width: int) -> tuple[int, int]:
+        """(full-resolution, compressed) tokens per latent frame."""
+        lat_h, lat_w = height // self.spatial, width // self.spatial
+        return ((lat_h // self.patch[1]) * (lat_w // self.patch[2]),
+                (lat_h // self.compressed_patch[1]) * (lat_w // self.compressed_patch[2]))
+
+    def window_tokens(self, height: int, width: int, partition: tuple[int, ...]) -> int:
+        """Tokens the KV window holds: ``full_chunk_limit`` chunks of the largest size at full resolution and
+        the rest of the clip through the compressed patches (as the pipeline allocates them)."""
+        full, compressed = self.tokens_per_frame(height, width)
+        biggest = max(partition)
+        older = max(0, len(partition) - self.full_chunk_limit + 1)
+        return self.full_chunk_limit * biggest * full + older * biggest * compressed
+
+    def kv_bytes(self, tokens: int, element_bytes: int, batch: int) -> int:
+        """The seeds' ledger: 2 x d x layers x bytes per token, for ``tokens`` tokens and ``batch`` samples."""
+        return 2 * self.hidden * self.layers * element_bytes * tokens * batch
+
+    def chunk_frames(self, partition: tuple[int, ...]) -> list[int]:
+        """Output frames per chunk: the first latent frame decodes to one frame, every later one to
+        ``temporal`` (Wan's causal VAE: T latent frames -> 1 + 4 (T - 1))."""
+        out, first = [], True
+        for n in partition:
+            out.append((1 + self.temporal * (n - 1)) if first else self.temporal * n)
+            first = False
+        return out
+
+
+def model_for(pipe: Any, denoiser: Any) -> ChunkModel | None:
+    """The chunk model of a chunked autoregressive pipeline, None for any other."""
+    if not callable(getattr(pipe, "encode_kv_cache", None)):
+        return None
+    cfg = getattr(denoiser, "config", None)
+    if cfg is None or not cfg.get("chunk_partition"):
+        return None
+    try:
+        return ChunkModel(
+            partition=tuple(int(n) for n in cfg["chunk_partition"]), layers=int(cfg["num_layers"]),
+            heads=int(cfg["num_attention_heads"]), head_dim=int(cfg["attention_head_dim"]),
+            full_chunk_limit=int(cfg.get("full_chunk_limit", 3)), patch=tuple(cfg["patch_size"]),
+            compressed_patch=tuple(cfg.get("compressed_patch_size", cfg["patch_size"])),
+            spatial=int(getattr(pipe, "vae_scale_factor_spatial", 8) or 8),
+            temporal=int(getattr(pipe, "vae_scale_factor_temporal", 4) or 4))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def cache_bytes(kv_cache: Any) -> tuple[int, int]:
+    """(bytes, bytes per element) of every tensor in the pipeline's KV cache: {layer: {name: tensor}}."""
+    total, element = 0, 0
+    if not isinstance(kv_cache, dict):
+        return 0, 0
+    for layer in kv_cache.values():
+        for t in (layer.values() if isinstance(layer, dict) else ()):
+            size = t.element_size()
+            total += t.nelement() * size
+            element = size
+    return total, element
+
+
+@dataclass
+class KvReading:
+    """One read of the cache after a chunk was encoded into it."""
+
+    allocated: int
+    element_bytes: int
+    cached_chunks: int
+
+
+@dataclass
+class StreamMarks:
+    """What one chunked call records: the chunks' starts and frames-out marks, and each cache read."""
+
+    partition: tuple[int, ...]
+    batch: int  # samples in the KV cache: videos per prompt, doubled under CFG
+    starts: list[Any]
+    outs: list[Any]
+    kv: list[KvReading]
+
+
+@dataclass
+class StreamReport:
+    """One chunked call, resolved: per-chunk latency and real-time factor, the KV cache and its ledger."""
+
+    chunk_seconds: list[float]  # chunk 0 from the request's start
+    chunk_frames: list[int]
+    realtime_factors: list[float]  # chunks after the first
+    kv_allocated_bytes: int
+    kv_in_use_bytes: int
+    kv_ledger_bytes: int
+    window_tokens: int
+    fps: float
+
+    @property
+    def first_chunk_seconds(self) -> float | None:
+        return self.chunk_seconds[0] if self.chunk_seconds else None
+
+
+def marks_for(model: ChunkModel, params: dict[str, Any]) -> StreamMarks:
+    """A chunked call's marks from its bound parameters (its own ``chunk_partition`` or the model's)."""
+    partition = params.get("chunk_partition") or model.partition
+    gs = params.get("guidance_scale")
+    per_prompt = int(params.get("num_videos_per_prompt") or 1)
+    return StreamMarks(partition=tuple(int(n) for n in partition),
+                       batch=per_prompt * (2 if gs is not None and gs > 1 else 1), starts=[], outs=[], kv=[])
+
+
+def in_use_bytes(model: ChunkModel, marks: StreamMarks, reading: KvReading, height: int, width: int) -> int:
+    """Bytes of the allocation the encoded chunks fill: the last ``full_chunk_limit`` of them at full
+    resolution, the older ones compressed, as a share of the window's tokens.  From the cache's own chunk
+    counter: reading the tensors' contents would synchronize a GPU once per chunk."""
+    window = model.window_tokens(height, width, marks.partition)
+    if window <= 0:
+        return 0
+    full, compressed = model.tokens_per_frame(height, width)
+    cached = marks.partition[:reading.cached_chunks]
+    recent, older = cached[-model.full_chunk_limit:], cached[:-model.full_chunk_limit]
+    used = sum(recent) * full + sum(older) * compressed
+    return int(reading.allocated * min(1.0, used / window))
+
+
+def resolve(model: ChunkModel, marks: StreamMarks, seconds: Any, start: Any, last_out: Any,
+            height: int | None, width: int | None, fps: float) -> StreamReport | None:
+    """Chunk latencies from the frames-out marks (the last chunk's is ``last_out``: the VAE decode's start or
+    the call's end), the real-time factor of each later chunk, and the last cache reading against the ledger."""
+    if not marks.starts:
+        return None
+    outs = list(marks.outs)
+    if last_out is not None and len(outs) < len(marks.partition):  # None: the call failed in its last chunk
+        outs.append(last_out)
+    if not outs:
+        return None
+    times = [seconds(start, m) for m in outs]
+    latencies = [times[0], *(b - a for a, b in itertools.pairwise(times))]
+    frames = model.chunk_frames(marks.partition)[:len(latencies)]
+    rtf = [lat / (n / fps) for lat, n in zip(latencies[1:], frames[1:], strict=False) if n > 0 and fps > 0]
+    last = marks.kv[-1] if marks.kv else None
+    window = model.window_tokens(height, width, marks.partition) if height and width else 0
+    ledger = model.kv_bytes(window, last.element_bytes, marks.batch) if last is not None else 0
+    used = in_use_bytes(model, marks, last, height, width) if last is not None and height and width else 0
+    return StreamReport(chunk_seconds=latencies, chunk_frames=frames, realtime_factors=rtf,
+                        kv_allocated_bytes=last.allocated if last is not None else 0, kv_in_use_bytes=used,
+                        kv_ledger_bytes=ledger, window_tokens=window, fps=fps)
+
+
+class StreamPublisher:
+    """The chunk series of one worker: per-call observations, and the KV gauges of the calls in flight
+    (summed over them: a worker may serve several sessions; each call's share leaves when it ends)."""
+
+    def __init__(self, m: MetricSet) -> None:
+        self.m = m
+        self._by_index = {label: m.stream_chunk_index_duration_seconds.labels(chunk_index=label)
+                          for _, _, label in INDEX_RANGES}
+        self._allocated = m.stream_kv_cache_bytes.labels(state="allocated")
+        self._in_use = m.stream_kv_cache_bytes.labels(state="in_use")
+        self._live: dict[int, tuple[int, int, int]] = {}  # id(call marks) -> (allocated, in use, ledger)
+        self._lock = threading.Lock()
+        self._allocated.set(0)
+        self._in_use.set(0)
+
+    def live(self, key: int, allocated: int, in_use: int, ledger: int) -> None:
+        """A call's cache after a chunk was encoded into it."""
+        with self._lock:
+            self._live[key] = (allocated, in_use, ledger)
+            self._set_gauges()
+
+    def done(self, key: int) -> None:
+        """The call ended: its cache is the pipeline's garbage now."""
+        with self._lock:
+            if self._live.pop(key, None) is not None:
+                self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        values = self._live.values()
+        self._allocated.set(sum(v[0] for v in values))
+        self._in_use.set(sum(v[1] for v in values))
+        self.m.stream_kv_cache_ledger_bytes.set(sum(v[2] for v in values))
+
+    def publish(self, r: StreamReport) -> None:
+        m = self.m
+        if r.first_chunk_seconds is not None:
+            m.stream_first_chunk_seconds.observe(r.first_chunk_seconds)
+        for i, seconds in enumerate(r.chunk_seconds):
+            m.stream_chunk_duration_seconds.observe(seconds)
+            self._by_index[index_range(i)].observe(seconds)
+        for f in r.realtime_factors:
+            m.stream_realtime_factor_ratio.observe(f)
+        if r.window_tokens:
+            m.stream_kv_window_tokens.set(r.window_tokens)
