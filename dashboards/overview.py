@@ -520,6 +520,40 @@ def distilled_row(b: Board) -> None:
                           "job, instance, shape"), "{{shape}} @ {{instance}}")], min_=0, span=24, height=6)
 
 
+def stream_row(b: Board) -> None:
+    """Chunked autoregressive video (exporter/chunks.py): the series exist only where such a pipeline runs."""
+    first, chunk = "stepwatch_stream_first_chunk_seconds_bucket", "stepwatch_stream_chunk_duration_seconds_bucket"
+    by_index = "stepwatch_stream_chunk_index_duration_seconds"
+    rtf = sel("stepwatch_stream_realtime_factor_ratio_bucket", INST)
+    kv = sel("stepwatch_stream_kv_cache_bytes", INST)
+    b.row("Streaming video (chunked autoregressive)")
+    b.timeseries(
+        "First-chunk and chunk latency (streaming)", """Seconds from a session's start to its first frames
+        (p50, p99: the interactive SLO, sub-second on an H100 by the seeds) and between consecutive chunks'
+        frames. Healthy: the first chunk within its SLO, later chunks flat.""", "s",
+        [T(quantile(0.5, sel(first, INST), RATE, "job, instance"), "first chunk p50 @ {{instance}}"),
+         T(quantile(0.99, sel(first, INST), RATE, "job, instance"), "first chunk p99 @ {{instance}}"),
+         T(quantile(0.99, sel(chunk, INST), RATE, "job, instance"), "any chunk p99 @ {{instance}}")], min_=0)
+    b.timeseries(
+        "Chunk latency by chunk index", """Mean chunk latency per range of chunk indices (0, 1, 2-3, 4-7, 8-15,
+        16+). Healthy: flat after the first chunks (attention over a fixed window costs the same each chunk);
+        rising with the index = a window or cache that keeps growing.""", "s",
+        [T(ratio_of_rates(sel(f"{by_index}_sum", INST), sel(f"{by_index}_count", INST), RATE,
+                          "job, instance, chunk_index"), "chunks {{chunk_index}} @ {{instance}}")], min_=0)
+    b.timeseries(
+        "Real-time factor (chunk generation / playback)", """A chunk's generation seconds over the seconds
+        its frames play (p50, p99). Healthy: below 1; above 1 the viewer waits and the stream stalls.""", "none",
+        [T(quantile(0.5, rtf, RATE, "job, instance"), "p50 @ {{instance}}"),
+         T(quantile(0.99, rtf, RATE, "job, instance"), "p99 @ {{instance}}")], min_=0)
+    b.timeseries(
+        "KV cache bytes vs the ledger", """KV cache of the sessions in flight on each worker, read from the
+        pipeline's cache tensors (allocated, and the share the encoded chunks fill), next to the ledger's
+        2 x d x layers x bytes x window tokens (dashed). Healthy: allocated = ledger, back to 0 when the
+        sessions end; a window too long for the GPU shows here first.""", "bytes",
+        [T(kv, "{{state}} @ {{instance}}"),
+         T(sel("stepwatch_stream_kv_cache_ledger_bytes", INST), "ledger @ {{instance}}", "ref")], min_=0)
+
+
 def video_quality_row(b: Board) -> None:
     qs = b.th.alert("quality_ssim")
     worst = 'stat=~"min|p10"'
@@ -551,7 +585,7 @@ def video_quality_row(b: Board) -> None:
 # Each subsystem's rows, in the order they appear; the subsystems in SUBSYSTEMS order.
 ROWS: dict[str, list[Row]] = {
     "service": [traffic_row, queue_row, video_row],
-    "pipeline": [denoising_row, compile_row, cache_row, distilled_row, ranks_row, memory_row],
+    "pipeline": [denoising_row, compile_row, cache_row, distilled_row, stream_row, ranks_row, memory_row],
     "quality": [quality_row, video_quality_row],
     "monitoring": [health_row],
 }

@@ -380,6 +380,19 @@ IMAGE_PROBES_ONLY = {
     ("Probe PSNR worst frame vs gate, video sets", "A"): "an image probe set: no video set",
     ("Probe PSNR worst frame vs gate, video sets", "B"): "an image probe set: no video set",
 }
+# The streaming row reads stepwatch_stream_*, which exist only on a worker that runs a chunked autoregressive
+# pipeline; the practice service serves none yet (its session API is issue 15's next part).  Their values are
+# proven on the instrumented pipeline itself (tests/test_exporter_chunks.py).
+NO_STREAMING_HERE = {
+    ("First-chunk and chunk latency (streaming)", "A"): "no chunked pipeline on the practice stack",
+    ("First-chunk and chunk latency (streaming)", "B"): "no chunked pipeline on the practice stack",
+    ("First-chunk and chunk latency (streaming)", "C"): "no chunked pipeline on the practice stack",
+    ("Chunk latency by chunk index", "A"): "no chunked pipeline on the practice stack",
+    ("Real-time factor (chunk generation / playback)", "A"): "no chunked pipeline on the practice stack",
+    ("Real-time factor (chunk generation / playback)", "B"): "no chunked pipeline on the practice stack",
+    ("KV cache bytes vs the ledger", "A"): "no chunked pipeline on the practice stack",
+    ("KV cache bytes vs the ledger", "B"): "no chunked pipeline on the practice stack",
+}
 # Rank metrics exist only in two-rank mode: test_live_rank_panels proves these on a two-rank stack.
 SINGLE_RANK_EMPTY = {
     ("Per-rank step time vs fastest rank", "A"): "one rank",
@@ -493,7 +506,8 @@ def test_live_every_panel_query_returns_data(live_stack: Any, overview: dict[str
     committed = model.load(DASHBOARDS / generate.OVERVIEW_FILE)
     results = run_panel_queries(st.prom, committed, st.started, st.end)
     empty = {k for k, v in results.items() if not v}
-    allowed = set(CPU_ONLY_EMPTY) | set(NEVER_HAPPENS_HERE) | set(SINGLE_RANK_EMPTY) | set(IMAGE_PROBES_ONLY)
+    allowed = (set(CPU_ONLY_EMPTY) | set(NEVER_HAPPENS_HERE) | set(SINGLE_RANK_EMPTY) | set(IMAGE_PROBES_ONLY)
+               | set(NO_STREAMING_HERE))
     assert empty - allowed == set(), f"queries without data: {sorted(empty - allowed)}"
     assert allowed - empty == set(), f"allowlisted but now have data (remove them): {sorted(allowed - empty)}"
 
