@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -274,7 +275,7 @@ class Traffic:
         self.concurrency = concurrency
         self.pause = pause
         self.codes: dict[int, int] = {}
-        self.latencies: list[tuple[float, float, int]] = []  # (end time, seconds, status)
+        self.latencies: list[tuple[float, float, int, str]] = []  # (end time, seconds, status, size)
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -311,8 +312,21 @@ class Traffic:
                 self.errors.append(f"{type(e).__name__}: {e}")
         with self._lock:
             self.codes[status] = self.codes.get(status, 0) + 1
-            self.latencies.append((time.time(), time.time() - t, status))
+            self.latencies.append((time.time(), time.time() - t, status, str(body.get("size", ""))))
         return status, headers
+
+    def median_by_size(self, start: float, end: float) -> dict[str, tuple[float, int]]:
+        """(median seconds, count) of the 200s that ended in [start, end), per requested size: the baseline's
+        typical request, exact (a histogram's p50 over a two-size mix sits between the sizes' modes and jumps
+        from one to the other when the mix shifts slightly)."""
+        with self._lock:
+            rows = [(size, sec) for end_t, sec, status, size in self.latencies
+                    if status == 200 and start <= end_t < end]
+        out: dict[str, tuple[float, int]] = {}
+        for size in sorted({size for size, _ in rows}):
+            secs = [sec for sz, sec in rows if sz == size]
+            out[size] = (statistics.median(secs), len(secs))
+        return out
 
     def stop(self) -> None:
         self._stop.set()
@@ -353,6 +367,7 @@ class LocalStack:
         self.am: Alertmanager | None = None
         self.started = 0.0
         self.prometheus_started = 0.0  # the first scrape: event queries need one rate window of history after it
+        self.active_traffic: Traffic | None = None  # the steady client load running now (stack.traffic())
 
     # ----- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> LocalStack:
@@ -572,10 +587,12 @@ class LocalStack:
         t = Traffic(self.service_url, bodies or [{"prompt": "a lighthouse at dusk", "size": "512x512"},
                                                  {"prompt": "a red bicycle", "size": "256x256"}],
                     concurrency, pause).start()
+        self.active_traffic = t
         try:
             yield t
         finally:
             t.stop()
+            self.active_traffic = None
 
     def logs(self) -> dict[str, str]:
         return {c.name: c.tail() for c in self.children}

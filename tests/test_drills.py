@@ -331,3 +331,30 @@ def test_recordings_name_the_runbooks_they_met(tmp_path: Path, monkeypatch: pyte
     rb = copy / "rank-skew.md"
     rb.write_text(rb.read_text().replace('healthy: "<= ${threshold.rank_skew}"', 'healthy: "<= 0.2"', 1))
     assert revision() != before
+
+
+def test_off_menu_p50_is_each_sizes_own_median_from_the_clients() -> None:
+    """A two-size mix whose histogram p50 would jump between the sizes' modes: per size, 1.1x is flat and 1.6x
+    is not, whatever the mix."""
+    from types import SimpleNamespace
+
+    from stepwatch.fault_injection.stack import Traffic
+
+    t = Traffic("http://127.0.0.1:9", [])
+    for i in range(10):
+        t.latencies += [(100.0 + i, 0.5, 200, "256x256"), (100.0 + i, 1.0, 200, "512x512")]
+        t.latencies += [(200.0 + i, 0.55, 200, "256x256"), (200.0 + i, 1.1, 200, "512x512")]
+    t.latencies.append((205.0, 9.0, 200, "384x384"))  # an off-menu request: not in the "before" window
+    assert t.median_by_size(100, 110) == {"256x256": (0.5, 10), "512x512": (1.0, 10)}
+    drill = DRILLS["off-menu-resolution"](TH)
+    stack = SimpleNamespace(active_traffic=t)
+    r = DrillResult("off-menu-resolution", drill.expected)
+    real_time = time.time
+    try:
+        time.time = lambda: 215.0  # type: ignore[assignment]
+        assert drill._p50_flat(stack, r, 110.5) is True
+        assert r.details["baseline_p50_by_size"]["512x512"] == {"before": 1.0, "during": 1.1, "requests": [10, 10]}
+        t.latencies += [(210.0 + i / 10, 1.7, 200, "512x512") for i in range(30)]
+        assert drill._p50_flat(stack, r, 110.5) is False
+    finally:
+        time.time = real_time  # type: ignore[assignment]
