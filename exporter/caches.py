@@ -48,11 +48,15 @@ class Reader:
 
     def take(self) -> dict[str, Any]:
         # The attribute read inline (not through _raw), the states dict held: this runs once per step, on
-        # the thread that alone changes that dict (the pipeline's).
+        # the thread that alone changes that dict (the pipeline's).  A loop, not a comprehension: on
+        # Python 3.11 a comprehension is a function call of its own (~150 ns of ~450 for two branches).
         states = self._states
         if states is None:
             states = self.states()
-        return {name: st.should_compute for name, st in states.items()}
+        out = {}
+        for name, st in states.items():
+            out[name] = st.should_compute
+        return out
 
     @staticmethod
     def _raw(st: Any) -> Any:
@@ -76,7 +80,10 @@ class TaylorReader(Reader):
         states = self._states
         if states is None:
             states = self.states()
-        return {name: (st.current_step, st.last_update_step) for name, st in states.items()}
+        out = {}
+        for name, st in states.items():
+            out[name] = (st.current_step, st.last_update_step)
+        return out
 
     @staticmethod
     def _raw(st: Any) -> Any:
