@@ -58,6 +58,7 @@ class ChunkModel:
     compressed_patch: tuple[int, int, int]
     spatial: int  # VAE spatial scale
     temporal: int  # VAE temporal scale
+    element_bytes: int  # of the denoiser's weights: the pipeline allocates the cache in the latents' dtype
 
     @property
     def hidden(self) -> int:
@@ -99,13 +100,17 @@ def model_for(pipe: Any, denoiser: Any) -> ChunkModel | None:
     if cfg is None or not cfg.get("chunk_partition"):
         return None
     try:
+        element = next(denoiser.parameters()).element_size()
+    except (AttributeError, StopIteration, TypeError):
+        element = 4
+    try:
         return ChunkModel(
             partition=tuple(int(n) for n in cfg["chunk_partition"]), layers=int(cfg["num_layers"]),
             heads=int(cfg["num_attention_heads"]), head_dim=int(cfg["attention_head_dim"]),
             full_chunk_limit=int(cfg.get("full_chunk_limit", 3)), patch=tuple(cfg["patch_size"]),
             compressed_patch=tuple(cfg.get("compressed_patch_size", cfg["patch_size"])),
             spatial=int(getattr(pipe, "vae_scale_factor_spatial", 8) or 8),
-            temporal=int(getattr(pipe, "vae_scale_factor_temporal", 4) or 4))
+            temporal=int(getattr(pipe, "vae_scale_factor_temporal", 4) or 4), element_bytes=int(element))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -201,7 +206,7 @@ def resolve(model: ChunkModel, marks: StreamMarks, seconds: Any, start: Any, las
     rtf = [lat / (n / fps) for lat, n in zip(latencies[1:], frames[1:], strict=False) if n > 0 and fps > 0]
     last = marks.kv[-1] if marks.kv else None
     window = model.window_tokens(height, width, marks.partition) if height and width else 0
-    ledger = model.kv_bytes(window, last.element_bytes, marks.batch) if last is not None else 0
+    ledger = model.kv_bytes(window, model.element_bytes, marks.batch)
     used = in_use_bytes(model, marks, last, height, width) if last is not None and height and width else 0
     return StreamReport(chunk_seconds=latencies, chunk_frames=frames, realtime_factors=rtf,
                         kv_allocated_bytes=last.allocated if last is not None else 0, kv_in_use_bytes=used,
@@ -211,6 +216,15 @@ def resolve(model: ChunkModel, marks: StreamMarks, seconds: Any, start: Any, las
 class StreamPublisher:
     """The chunk series of one worker: per-call observations, and the KV gauges of the calls in flight
     (summed over them: a worker may serve several sessions; each call's share leaves when it ends)."""
+
+    @classmethod
+    def shared(cls, m: MetricSet) -> StreamPublisher:
+        """One per metric set: every chunked pipeline instrumented on a registry (a worker's session slots)
+        adds its calls to the same worker gauges instead of overwriting them."""
+        pub = m.__dict__.get("_stream_publisher")
+        if pub is None:
+            pub = m.__dict__["_stream_publisher"] = cls(m)
+        return pub
 
     def __init__(self, m: MetricSet) -> None:
         self.m = m

@@ -203,7 +203,7 @@ class Instrumentation:
                 self._guard.fail("ledger.model", e)
             self._chunks = chunks.model_for(self.pipe, transformer)
             if self._chunks is not None:
-                self._stream = chunks.StreamPublisher(MetricSet.shared(m.registry, "stream"))
+                self._stream = chunks.StreamPublisher.shared(MetricSet.shared(m.registry, "stream"))
         if self.options.baselines is not None:
             self.set_baselines(self.options.baselines)
         for shape in [*sorted(self.labeler.known), "other"]:
@@ -459,7 +459,7 @@ class Instrumentation:
             window = model.window_tokens(req.height, req.width, stream.partition)
             self._stream.live(id(stream), allocated,
                               chunks.in_use_bytes(model, stream, reading, req.height, req.width),
-                              model.kv_bytes(window, element, stream.batch))
+                              model.kv_bytes(window, model.element_bytes, stream.batch))
 
     def _emit_stream(self, req: RequestMarks, report: RequestReport) -> None:
         """A chunked call's chunk latencies, real-time factors and KV reading, into its report and the series."""

@@ -146,3 +146,20 @@ def test_an_image_pipeline_has_no_stream_series() -> None:
 def test_index_ranges_are_bounded() -> None:
     labels = {chunks.index_range(i) for i in range(10_000)}
     assert labels == {"0", "1", "2-3", "4-7", "8-15", "16+"}
+
+
+def test_chunked_pipelines_on_one_registry_add_to_the_same_kv_gauges() -> None:
+    """Two session slots (two pipelines, one registry): each call's cache counts once in the worker's gauges."""
+    from stepwatch.metrics import MetricSet
+
+    reg = CollectorRegistry()
+    ms = MetricSet.shared(reg, "stream")
+    a, b = chunks.StreamPublisher.shared(ms), chunks.StreamPublisher.shared(ms)
+    assert a is b
+    a.live(1, 43_008, 30_000, 43_008)
+    b.live(2, 86_016, 10_000, 86_016)
+    text = scrape(reg)
+    assert value(text, "stepwatch_stream_kv_cache_bytes", state="allocated") == 129_024
+    assert value(text, "stepwatch_stream_kv_cache_ledger_bytes") == 129_024
+    a.done(1)
+    assert value(scrape(reg), "stepwatch_stream_kv_cache_bytes", state="in_use") == 10_000
