@@ -265,6 +265,7 @@ class OffMenuResolution(Drill):
         r.details["culprit_shapes"] = sorted({a["labels"].get("shape", "") for a in fired})
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details.pop("_t0", None)  # the alert never fired: no p50 to judge
         t = r.details.pop("_batch", None)
         if t is not None:
             t.join(timeout=300)
