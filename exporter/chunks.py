@@ -143,6 +143,10 @@ class StreamMarks:
 
     partition: tuple[int, ...]
     batch: int  # samples in the KV cache: videos per prompt, doubled under CFG
+    height: int
+    width: int
+    window_tokens: int  # the call's KV window and its ledger bytes, fixed by its geometry: computed once
+    ledger_bytes: int
     starts: list[Any]
     outs: list[Any]
     kv: list[KvReading]
@@ -166,23 +170,26 @@ class StreamReport:
         return self.chunk_seconds[0] if self.chunk_seconds else None
 
 
-def marks_for(model: ChunkModel, params: dict[str, Any]) -> StreamMarks:
-    """A chunked call's marks from its bound parameters (its own ``chunk_partition`` or the model's)."""
-    partition = params.get("chunk_partition") or model.partition
+def marks_for(model: ChunkModel, params: dict[str, Any], height: int | None, width: int | None) -> StreamMarks:
+    """A chunked call's marks from its bound parameters (its own ``chunk_partition`` or the model's), with its
+    KV window and the ledger's bytes for it (0 when the call's size is unknown)."""
+    partition = tuple(int(n) for n in (params.get("chunk_partition") or model.partition))
     gs = params.get("guidance_scale")
-    per_prompt = int(params.get("num_videos_per_prompt") or 1)
-    return StreamMarks(partition=tuple(int(n) for n in partition),
-                       batch=per_prompt * (2 if gs is not None and gs > 1 else 1), starts=[], outs=[], kv=[])
+    batch = int(params.get("num_videos_per_prompt") or 1) * (2 if gs is not None and gs > 1 else 1)
+    h, w = height or 0, width or 0
+    window = model.window_tokens(h, w, partition) if h and w else 0
+    return StreamMarks(partition=partition, batch=batch, height=h, width=w, window_tokens=window,
+                       ledger_bytes=model.kv_bytes(window, model.element_bytes, batch), starts=[], outs=[], kv=[])
 
 
-def in_use_bytes(model: ChunkModel, marks: StreamMarks, reading: KvReading, height: int, width: int) -> int:
+def in_use_bytes(model: ChunkModel, marks: StreamMarks, reading: KvReading) -> int:
     """Bytes of the allocation the encoded chunks fill: the last ``full_chunk_limit`` of them at full
     resolution, the older ones compressed, as a share of the window's tokens.  From the cache's own chunk
     counter: reading the tensors' contents would synchronize a GPU once per chunk."""
-    window = model.window_tokens(height, width, marks.partition)
+    window = marks.window_tokens
     if window <= 0:
         return 0
-    full, compressed = model.tokens_per_frame(height, width)
+    full, compressed = model.tokens_per_frame(marks.height, marks.width)
     cached = marks.partition[:reading.cached_chunks]
     recent, older = cached[-model.full_chunk_limit:], cached[:-model.full_chunk_limit]
     used = sum(recent) * full + sum(older) * compressed
@@ -190,7 +197,7 @@ def in_use_bytes(model: ChunkModel, marks: StreamMarks, reading: KvReading, heig
 
 
 def resolve(model: ChunkModel, marks: StreamMarks, seconds: Any, start: Any, last_out: Any,
-            height: int | None, width: int | None, fps: float) -> StreamReport | None:
+            fps: float) -> StreamReport | None:
     """Chunk latencies from the frames-out marks (the last chunk's is ``last_out``: the VAE decode's start or
     the call's end), the real-time factor of each later chunk, and the last cache reading against the ledger."""
     if not marks.starts:
@@ -205,12 +212,10 @@ def resolve(model: ChunkModel, marks: StreamMarks, seconds: Any, start: Any, las
     frames = model.chunk_frames(marks.partition)[:len(latencies)]
     rtf = [lat / (n / fps) for lat, n in zip(latencies[1:], frames[1:], strict=False) if n > 0 and fps > 0]
     last = marks.kv[-1] if marks.kv else None
-    window = model.window_tokens(height, width, marks.partition) if height and width else 0
-    ledger = model.kv_bytes(window, model.element_bytes, marks.batch)
-    used = in_use_bytes(model, marks, last, height, width) if last is not None and height and width else 0
     return StreamReport(chunk_seconds=latencies, chunk_frames=frames, realtime_factors=rtf,
-                        kv_allocated_bytes=last.allocated if last is not None else 0, kv_in_use_bytes=used,
-                        kv_ledger_bytes=ledger, window_tokens=window, fps=fps)
+                        kv_allocated_bytes=last.allocated if last is not None else 0,
+                        kv_in_use_bytes=in_use_bytes(model, marks, last) if last is not None else 0,
+                        kv_ledger_bytes=marks.ledger_bytes, window_tokens=marks.window_tokens, fps=fps)
 
 
 class StreamPublisher:

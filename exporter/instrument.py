@@ -341,7 +341,7 @@ class Instrumentation:
                         cache=self._find_cache(den) if den is not None else None)
         req.capacity = self.memory.capacity_bytes()
         if self._chunks is not None:
-            req.stream = chunks.marks_for(self._chunks, params)
+            req.stream = chunks.marks_for(self._chunks, params, req.height, req.width)
         req.rank_request = rank_request if rank_request is not None else -1
         self.memory.reset_peak()
         self._local.req = req
@@ -455,11 +455,8 @@ class Instrumentation:
         cached = int(flag.get("num_cached_chunks", 0)) if isinstance(flag, dict) else len(stream.outs)
         reading = chunks.KvReading(allocated, element, cached)
         stream.kv.append(reading)
-        if self._stream is not None and model is not None and req.height and req.width:
-            window = model.window_tokens(req.height, req.width, stream.partition)
-            self._stream.live(id(stream), allocated,
-                              chunks.in_use_bytes(model, stream, reading, req.height, req.width),
-                              model.kv_bytes(window, model.element_bytes, stream.batch))
+        if self._stream is not None and model is not None:
+            self._stream.live(id(stream), allocated, chunks.in_use_bytes(model, stream, reading), stream.ledger_bytes)
 
     def _emit_stream(self, req: RequestMarks, report: RequestReport) -> None:
         """A chunked call's chunk latencies, real-time factors and KV reading, into its report and the series."""
@@ -467,7 +464,7 @@ class Instrumentation:
             return
         last_out = (req.vae_spans[0][0] if req.vae_spans else req.end) if req.outcome == "ok" else None
         report.stream = chunks.resolve(self._chunks, req.stream, self.clock.seconds, req.start, last_out,
-                                       req.height, req.width, self.options.stream_fps)
+                                       self.options.stream_fps)
         if report.stream is not None:
             self._stream.publish(report.stream)
 

@@ -244,7 +244,7 @@ class OffMenuResolution(Drill):
         r.checks["p99_rises"] = bool(before["p99"] and after["p99"] and after["p99"] > rise * before["p99"])
         r.checks["p50_flat"] = self._p50_flat(stack, r, r.details.pop("_t0", time.time()))
 
-    def _p50_flat(self, stack: LocalStack, r: DrillResult, t0: float) -> bool:
+    def _p50_flat(self, stack: LocalStack, r: DrillResult, t0: float, now: float | None = None) -> bool:
         """The baseline clients' median latency per size, during the off-menu batch vs the rate window before
         it: every size under ``p50_stays_below`` times its own.  Per size and from the clients: the service's
         histogram p50 over the two-size mix sits between the sizes' modes (0.79 s between ~0.5 and ~1.0) and
@@ -254,7 +254,7 @@ class OffMenuResolution(Drill):
             return False
         window = parse_duration(_rate_window(self.th, stack))
         before = traffic.median_by_size(t0 - window, t0)
-        during = traffic.median_by_size(t0, time.time())
+        during = traffic.median_by_size(t0, time.time() if now is None else now)
         r.details["baseline_p50_by_size"] = {s: {"before": round(b[0], 4), "during": round(during[s][0], 4),
                                                  "requests": [b[1], during[s][1]]}
                                              for s, b in before.items() if s in during}

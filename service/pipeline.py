@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,50 +138,43 @@ def _tiny_flux(seed: int) -> Any:
     return pipe
 
 
-def _tiny_wan(seed: int) -> Any:
+def _wan_parts(seed: int, transformer: Callable[[], Any]) -> tuple[Any, Any, Any]:
+    """The Wan family's tiny text encoder (UMT5) and VAE around the given transformer, each drawn from its own
+    seed stream, so every Wan-based pipeline built from one seed shares the encoder's and the VAE's weights."""
     vocab = _VOCAB_SIZE + len(_SPECIALS)
     _seeded(seed, 1)
     umt5 = UMT5EncoderModel(UMT5Config(
         vocab_size=vocab, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, decoder_start_token_id=0,
         pad_token_id=_VOCAB_SIZE + 1, eos_token_id=_VOCAB_SIZE + 2))
     _seeded(seed, 3)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32)
+    denoiser = transformer()
     _seeded(seed, 4)
     vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True])
-    pipe = WanPipeline(tokenizer=_tokenizer(512, "</s>"), text_encoder=umt5, vae=vae,
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer)
-    parts: list[Any] = [umt5, transformer, vae]
+    parts: list[Any] = [umt5, denoiser, vae]
     for m in parts:
         m.eval().requires_grad_(False)
-    return pipe
+    return umt5, denoiser, vae
+
+
+def _tiny_wan(seed: int) -> Any:
+    umt5, transformer, vae = _wan_parts(seed, lambda: WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32))
+    return WanPipeline(tokenizer=_tokenizer(512, "</s>"), text_encoder=umt5, vae=vae,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer)
 
 
 def _tiny_far(seed: int) -> Any:
     """Causal FAR over Wan (seed 002's autoregressive video): the tiny Wan's text encoder and VAE, a FAR transformer
     of 2 heads x 12 in 2 layers with chunks of (1, 2, 2, 2) latent frames (25 frames), few-step flow-map
     sampling.  64^2 x 25 frames x 4 steps per chunk runs in a few seconds on a CPU."""
-    vocab = _VOCAB_SIZE + len(_SPECIALS)
-    _seeded(seed, 1)
-    umt5 = UMT5EncoderModel(UMT5Config(
-        vocab_size=vocab, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, decoder_start_token_id=0,
-        pad_token_id=_VOCAB_SIZE + 1, eos_token_id=_VOCAB_SIZE + 2))
-    _seeded(seed, 3)
-    transformer = AnyFlowFARTransformer3DModel(
+    umt5, transformer, vae = _wan_parts(seed, lambda: AnyFlowFARTransformer3DModel(
         num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2,
-        rope_max_seq_len=64, chunk_partition=(1, 2, 2, 2))
-    _seeded(seed, 4)
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True])
-    pipe = AnyFlowFARPipeline(tokenizer=_tokenizer(512, "</s>"), text_encoder=umt5, vae=vae,
+        rope_max_seq_len=64, chunk_partition=(1, 2, 2, 2)))
+    return AnyFlowFARPipeline(tokenizer=_tokenizer(512, "</s>"), text_encoder=umt5, vae=vae,
                               scheduler=FlowMapEulerDiscreteScheduler(), transformer=transformer)
-    parts: list[Any] = [umt5, transformer, vae]
-    for m in parts:
-        m.eval().requires_grad_(False)
-    return pipe
 
 
 def _tiny_sd3(seed: int) -> Any:

@@ -384,14 +384,11 @@ IMAGE_PROBES_ONLY = {
 # pipeline; the practice service serves none yet (its session API is issue 15's next part).  Their values are
 # proven on the instrumented pipeline itself (tests/test_exporter_chunks.py).
 NO_STREAMING_HERE = {
-    ("First-chunk and chunk latency (streaming)", "A"): "no chunked pipeline on the practice stack",
-    ("First-chunk and chunk latency (streaming)", "B"): "no chunked pipeline on the practice stack",
-    ("First-chunk and chunk latency (streaming)", "C"): "no chunked pipeline on the practice stack",
-    ("Chunk latency by chunk index", "A"): "no chunked pipeline on the practice stack",
-    ("Real-time factor (chunk generation / playback)", "A"): "no chunked pipeline on the practice stack",
-    ("Real-time factor (chunk generation / playback)", "B"): "no chunked pipeline on the practice stack",
-    ("KV cache bytes vs the ledger", "A"): "no chunked pipeline on the practice stack",
-    ("KV cache bytes vs the ledger", "B"): "no chunked pipeline on the practice stack",
+    (title, ref): "no chunked pipeline on the practice stack"
+    for title, refs in {"First-chunk and chunk latency (streaming)": "ABC", "Chunk latency by chunk index": "A",
+                        "Real-time factor (chunk generation / playback)": "AB",
+                        "KV cache bytes vs the ledger": "AB"}.items()
+    for ref in refs
 }
 # Rank metrics exist only in two-rank mode: test_live_rank_panels proves these on a two-rank stack.
 SINGLE_RANK_EMPTY = {

@@ -349,12 +349,7 @@ def test_off_menu_p50_is_each_sizes_own_median_from_the_clients() -> None:
     drill = DRILLS["off-menu-resolution"](TH)
     stack = SimpleNamespace(active_traffic=t)
     r = DrillResult("off-menu-resolution", drill.expected)
-    real_time = time.time
-    try:
-        time.time = lambda: 215.0  # type: ignore[assignment]
-        assert drill._p50_flat(stack, r, 110.5) is True
-        assert r.details["baseline_p50_by_size"]["512x512"] == {"before": 1.0, "during": 1.1, "requests": [10, 10]}
-        t.latencies += [(210.0 + i / 10, 1.7, 200, "512x512") for i in range(30)]
-        assert drill._p50_flat(stack, r, 110.5) is False
-    finally:
-        time.time = real_time  # type: ignore[assignment]
+    assert drill._p50_flat(stack, r, 110.5, now=215.0) is True
+    assert r.details["baseline_p50_by_size"]["512x512"] == {"before": 1.0, "during": 1.1, "requests": [10, 10]}
+    t.latencies += [(210.0 + i / 10, 1.7, 200, "512x512") for i in range(30)]
+    assert drill._p50_flat(stack, r, 110.5, now=215.0) is False
