@@ -35,6 +35,7 @@ from stepwatch.metrics import MetricSet
 # Index ranges for the chunk-latency trend: bounded labels (a chunk index is never a label value).
 INDEX_RANGES: tuple[tuple[int, int, str], ...] = (
     (0, 0, "0"), (1, 1, "1"), (2, 3, "2-3"), (4, 7, "4-7"), (8, 15, "8-15"), (16, 1 << 30, "16+"))
+SESSION_OUTCOMES = ("done", "closed", "failed")  # stepwatch_stream_sessions_total{outcome}
 DEFAULT_FPS = 16.0  # Wan's playback rate; InstrumentOptions.stream_fps overrides it
 
 
@@ -150,6 +151,7 @@ class StreamMarks:
     starts: list[Any]
     outs: list[Any]
     kv: list[KvReading]
+    lead_seconds: float = 0.0  # a session's open to this call's start (Instrumentation.stream_session)
 
 
 @dataclass
@@ -164,10 +166,13 @@ class StreamReport:
     kv_ledger_bytes: int
     window_tokens: int
     fps: float
+    lead_seconds: float = 0.0
+    steps: int = 0
 
     @property
     def first_chunk_seconds(self) -> float | None:
-        return self.chunk_seconds[0] if self.chunk_seconds else None
+        """What the client waited for its first frames: from the session's open where a host marked one."""
+        return self.chunk_seconds[0] + self.lead_seconds if self.chunk_seconds else None
 
 
 def marks_for(model: ChunkModel, params: dict[str, Any], height: int | None, width: int | None) -> StreamMarks:
@@ -197,7 +202,7 @@ def in_use_bytes(model: ChunkModel, marks: StreamMarks, reading: KvReading) -> i
 
 
 def resolve(model: ChunkModel, marks: StreamMarks, seconds: Any, start: Any, last_out: Any,
-            fps: float) -> StreamReport | None:
+            fps: float, steps: int = 0) -> StreamReport | None:
     """Chunk latencies from the frames-out marks (the last chunk's is ``last_out``: the VAE decode's start or
     the call's end), the real-time factor of each later chunk, and the last cache reading against the ledger."""
     if not marks.starts:
@@ -215,7 +220,8 @@ def resolve(model: ChunkModel, marks: StreamMarks, seconds: Any, start: Any, las
     return StreamReport(chunk_seconds=latencies, chunk_frames=frames, realtime_factors=rtf,
                         kv_allocated_bytes=last.allocated if last is not None else 0,
                         kv_in_use_bytes=in_use_bytes(model, marks, last) if last is not None else 0,
-                        kv_ledger_bytes=marks.ledger_bytes, window_tokens=marks.window_tokens, fps=fps)
+                        kv_ledger_bytes=marks.ledger_bytes, window_tokens=marks.window_tokens, fps=fps,
+                        lead_seconds=marks.lead_seconds, steps=steps)
 
 
 class StreamPublisher:
@@ -241,6 +247,22 @@ class StreamPublisher:
         self._lock = threading.Lock()
         self._allocated.set(0)
         self._in_use.set(0)
+        self._active = 0
+        m.stream_sessions_active.set(0)
+        for outcome in SESSION_OUTCOMES:
+            m.stream_sessions_total.labels(outcome=outcome)
+
+    def session_opened(self) -> None:
+        with self._lock:
+            self._active += 1
+            self.m.stream_sessions_active.set(self._active)
+
+    def session_ended(self, outcome: str, seconds: float) -> None:
+        with self._lock:
+            self._active = max(0, self._active - 1)
+            self.m.stream_sessions_active.set(self._active)
+        self.m.stream_sessions_total.labels(outcome=outcome if outcome in SESSION_OUTCOMES else "failed").inc()
+        self.m.stream_session_duration_seconds.observe(max(0.0, seconds))
 
     def live(self, key: int, allocated: int, in_use: int, ledger: int) -> None:
         """A call's cache after a chunk was encoded into it."""
@@ -269,5 +291,7 @@ class StreamPublisher:
             self._by_index[index_range(i)].observe(seconds)
         for f in r.realtime_factors:
             m.stream_realtime_factor_ratio.observe(f)
+        if r.steps:
+            m.stream_steps_total.inc(r.steps)
         if r.window_tokens:
             m.stream_kv_window_tokens.set(r.window_tokens)

@@ -26,10 +26,11 @@ raise into the pipeline: errors are counted and logged once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,13 @@ class _Unresolved:
 
 
 _UNRESOLVED = _Unresolved()
+
+
+@dataclass
+class SessionMark:
+    """A streaming session the host marked (Instrumentation.stream_session); the host sets its outcome."""
+
+    outcome: str = "done"
 
 
 class Instrumentation:
@@ -342,6 +350,9 @@ class Instrumentation:
         req.capacity = self.memory.capacity_bytes()
         if self._chunks is not None:
             req.stream = chunks.marks_for(self._chunks, params, req.height, req.width)
+            opened = getattr(self._local, "session_opened", None)
+            if opened is not None:
+                req.stream.lead_seconds = max(0.0, time.perf_counter() - opened)
         req.rank_request = rank_request if rank_request is not None else -1
         self.memory.reset_peak()
         self._local.req = req
@@ -434,7 +445,7 @@ class Instrumentation:
             return
         report = self.last_report = r.report
         self._guarded("emit.metrics", self.publisher.publish, report)
-        if req.stream is not None:
+        if req.stream is not None and phase == "serving":  # a session's warm-up call is nobody's stream
             self._guarded("emit.stream", self._emit_stream, req, report)
         if report.shape is not None and report.shape.few_step(self.few_step_max_steps):
             report.extra["few_step"] = True
@@ -464,9 +475,36 @@ class Instrumentation:
             return
         last_out = (req.vae_spans[0][0] if req.vae_spans else req.end) if req.outcome == "ok" else None
         report.stream = chunks.resolve(self._chunks, req.stream, self.clock.seconds, req.start, last_out,
-                                       self.options.stream_fps)
+                                       self.options.stream_fps, len(report.step_seconds))
         if report.stream is not None:
             self._stream.publish(report.stream)
+
+    @contextlib.contextmanager
+    def stream_session(self, opened_at: float | None = None) -> Iterator[SessionMark]:
+        """Mark a streaming session around the chunked call(s) that serve it, on this thread.
+
+        ``opened_at`` is the host's ``time.perf_counter()`` when the client opened the session (another process
+        of the same host may stamp it: the clock is the system's monotonic one); the first chunk's latency then
+        counts from there, as the client sees it, not from the call's start.  The session counts as active
+        inside the block; at its end its outcome (``mark.outcome``: done, closed or failed; an exception that
+        leaves the block makes it failed, or closed where the exception says ``stepwatch_outcome =
+        "cancelled"``) and duration are recorded.  A pipeline that is not chunked records nothing.
+        """
+        opened = time.perf_counter() if opened_at is None else opened_at
+        mark = SessionMark()
+        stream = self._stream
+        if stream is not None:
+            self._guarded("stream.session", stream.session_opened)
+        self._local.session_opened = opened
+        try:
+            yield mark
+        except BaseException as exc:
+            mark.outcome = "closed" if getattr(exc, "stepwatch_outcome", None) == "cancelled" else "failed"
+            raise
+        finally:
+            self._local.session_opened = None
+            if stream is not None:
+                self._guarded("stream.session", stream.session_ended, mark.outcome, time.perf_counter() - opened)
 
     def _guarded(self, component: str, fn: Callable[..., Any], *args: Any) -> None:
         try:

@@ -1,7 +1,9 @@
 """The practice service's HTTP API: FastAPI, served by uvicorn (the stack vLLM and SGLang serve on).
 
 Endpoints: ``POST /v1/images/generations`` (OpenAI's images API), video jobs (``POST /v1/videos``,
-``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content``, ``DELETE /v1/videos/{id}``), ``GET /healthz``,
+``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content``, ``DELETE /v1/videos/{id}``), streaming sessions
+(``POST /v1/stream/sessions``, ``POST /v1/stream/sessions/{id}/prompt``, ``DELETE /v1/stream/sessions/{id}``;
+service/sessions.py), ``GET /healthz``,
 ``/readyz``, ``/metrics``, ``/v1/stepwatch/info``, ``POST /admin/knobs`` (only
 with an admin token, loopback only) and ``GET /openapi.json``.
 
@@ -37,7 +39,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from types import FrameType
 from typing import Any, Literal, TypeVar
@@ -46,7 +48,7 @@ import anyio
 import h11
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -56,6 +58,7 @@ from stepwatch.exposition import CONTENT_TYPE
 from stepwatch.service import api
 from stepwatch.service.engine import Admission, Answer, Service
 from stepwatch.service.messages import Reply
+from stepwatch.service.sessions import SessionManager, StreamSession
 from stepwatch.service.stall import restart_due
 
 log = logging.getLogger("stepwatch.service")
@@ -285,6 +288,90 @@ async def get_video_content(request: Request, job_id: str) -> Response:
 async def cancel_video(request: Request, job_id: str) -> Response:
     """Cancel a job in flight: queued, it never runs; running, it stops after its current step."""
     return await _video_call(request, _service(request).cancel_video, job_id)
+
+
+class SessionRequest(BaseModel):
+    """``POST /v1/stream/sessions``: open a streaming session; the answer is its event stream."""
+
+    prompt: str = Field(min_length=1, max_length=api.MAX_PROMPT_CHARS)
+    size: str | None = Field(None, description="one of the service's stream sizes (GET /v1/stepwatch/info)")
+    chunks: int | None = Field(None, ge=2, description="chunks in the session (default and maximum: the config's)")
+    steps: int | None = Field(None, ge=1, description="denoising steps per chunk")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+
+
+SESSION_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": SessionRequest.model_json_schema()}}}}
+
+
+def _sessions(request: Request) -> SessionManager:
+    svc = _service(request)
+    if svc.sessions is None:
+        raise api.ApiError(404, "streaming sessions are off on this service (stream.enabled)", None, "not_found")
+    if not svc.ready:
+        raise api.ApiError(503, "warming up", None, "unavailable", "server_error", {"Retry-After": "5"})
+    return svc.sessions
+
+
+@router.post("/v1/stream/sessions", responses=ERRORS, openapi_extra=SESSION_BODY)
+async def open_session(request: Request) -> Response:
+    """Open a streaming session: server-sent events ``session``, one ``chunk`` per chunk as it is done, ``end``.
+    The session stops when its client goes away or stops reading (the idle timeout)."""
+    try:
+        manager = _sessions(request)
+        sess = await manager.open(api.parse_json(await _read_body(request)))
+    except ClientGone:
+        return Response(status_code=499)
+    except api.ApiError as e:
+        return _error(e)
+    except Exception as e:  # never take the instance down for one session
+        log.exception("unexpected error opening a session")
+        return _error(_internal(e))
+    return StreamingResponse(_session_events(manager, sess), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+async def _session_events(manager: SessionManager, sess: StreamSession) -> AsyncIterator[bytes]:
+    """The session's events until its ``end``; a client that leaves first closes the session."""
+    try:
+        while True:
+            kind, payload = await sess.take()
+            yield payload
+            if kind == "end":
+                return
+    finally:
+        if not sess.ended:
+            manager.close(sess.id, "closed")  # no await here: this may run as the stream is cancelled
+        manager.forget(sess.id)
+
+
+@router.post("/v1/stream/sessions/{session_id}/prompt", responses=ERRORS)
+async def session_prompt(request: Request, session_id: str) -> Response:
+    """Change a running session's prompt; the answer says from which chunk on it applies."""
+    try:
+        manager = _sessions(request)
+        body = api.parse_json(await _read_body(request))
+        return AsciiJSON(await anyio.to_thread.run_sync(manager.set_prompt, session_id, body))
+    except ClientGone:
+        return Response(status_code=499)
+    except api.ApiError as e:
+        return _error(e)
+    except Exception as e:
+        log.exception("session prompt change failed")
+        return _error(_internal(e))
+
+
+@router.delete("/v1/stream/sessions/{session_id}", responses=ERRORS)
+async def close_session(request: Request, session_id: str) -> Response:
+    """Close a session: it stops at its next step and its stream ends with ``end`` (outcome closed)."""
+    try:
+        manager = _sessions(request)
+        return AsciiJSON(await anyio.to_thread.run_sync(manager.close_and_wait, session_id))
+    except api.ApiError as e:
+        return _error(e)
+    except Exception as e:
+        log.exception("session close failed")
+        return _error(_internal(e))
 
 
 @router.post("/admin/knobs", responses=ERRORS)

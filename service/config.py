@@ -88,6 +88,33 @@ class VideoConfig:
 
 
 @dataclass
+class StreamConfig:
+    """Streaming sessions (``POST /v1/stream/sessions``, server-sent events) on tiny offline AnyFlowFAR pipelines.
+
+    A session is one chunked autoregressive call: each chunk's frames go to the client as soon as the chunk is
+    done, the prompt may change between chunks, and the KV cache lives as long as the call.  The worker holds
+    one pipeline per session slot (a call mutates its scheduler and its VAE's causal decode cache, so two
+    sessions cannot share one); a session beyond the slots is refused (429).  Sessions do not wait in the
+    image queue: they run on their slot's thread beside it.  Off by default: it adds the slots' pipelines to
+    every worker start and the ``stepwatch_stream_*`` series to its exposition.
+    """
+
+    enabled: bool = False  # served only with ranks: 1
+    model: str | None = None  # a diffusers AnyFlowFAR model directory; None: the tiny offline one
+    max_sessions: int = 2  # session slots per worker
+    idle_timeout_seconds: float = 30.0  # a session whose client has read nothing this long is closed
+    sizes: list[str] = field(default_factory=lambda: ["64x64", "128x128"])  # any other size: 400
+    default_size: str = "64x64"
+    default_chunks: int = 8  # chunks per session: 1 latent frame, then 2 per chunk (8 frames out each)
+    max_chunks: int = 32  # the tiny model's rope covers 64 latent frames
+    steps: int = 4  # denoising steps per chunk (few-step flow-map sampling)
+    max_steps: int = 16
+    window_chunks: int = 3  # chunks the KV window keeps at full resolution (FAR's full_chunk_limit)
+    kv_cache: bool = True  # the pipeline's use_kv_cache: off, every chunk attends to nothing before it
+    fps: int = 16
+
+
+@dataclass
 class QueueConfig:
     policy: str = "spf"  # spf: shortest predicted first, with aging; fifo
     aging: float = 1.0  # seconds of priority gained per second waited
@@ -121,6 +148,7 @@ class ServiceConfig:
     other_pool: PoolConfig = field(default_factory=lambda: PoolConfig("other", [], 60.0, 120.0))
     queue: QueueConfig = field(default_factory=QueueConfig)
     video: VideoConfig = field(default_factory=VideoConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     admin_token: str | None = None
     ranks: int = 1
     # With ranks: each rank gets its own slice of this process's CPUs, as each rank of a GPU service has its
@@ -143,6 +171,11 @@ class ServiceConfig:
 
     def all_pools(self) -> list[PoolConfig]:
         return [*self.pools, self.other_pool, *([self.video_pool()] if self.video_active else [])]
+
+    @property
+    def stream_active(self) -> bool:
+        """Streaming sessions are served: enabled, and one rank."""
+        return self.stream.enabled and self.ranks == 1
 
     @property
     def video_active(self) -> bool:
@@ -232,6 +265,7 @@ def parse(raw: Any) -> ServiceConfig:
         "queue": _section(QueueConfig, raw.pop("queue", None), "queue"),
     }
     nested["video"] = _video(raw.pop("video", None))
+    nested["stream"] = _section(StreamConfig, raw.pop("stream", None), "stream")
     pools_raw = raw.pop("pools", None) or {}
     other_raw = raw.pop("other_pool", None)
     cfg = ServiceConfig(**raw, **nested)
@@ -298,6 +332,7 @@ def validate(cfg: ServiceConfig) -> None:
     _check_queue(cfg)
     _check_sizes(cfg)
     _check_video(cfg)
+    _check_stream(cfg)
     if cfg.admin_token is not None and (not isinstance(cfg.admin_token, str) or len(cfg.admin_token) < 8):
         raise ConfigError("admin_token: must be a string of at least 8 characters (or null: admin off)")
 
@@ -434,6 +469,32 @@ def _check_video(cfg: ServiceConfig) -> None:
         raise ConfigError(f"video.max_wait_seconds: {v.max_wait_seconds} is below SLO/2 = {v.slo_seconds / 2}")
     if v.cache.kind not in CACHE_KINDS:
         raise ConfigError(f"video.cache.kind: {v.cache.kind!r} is not one of {', '.join(CACHE_KINDS)}")
+
+
+def _check_stream(cfg: ServiceConfig) -> None:
+    """The stream section: sizes the FAR pipeline serves (multiples of 16), limits that admit the defaults."""
+    st = cfg.stream
+    _check_type(st.enabled, bool, "stream.enabled")
+    _check_type(st.kv_cache, bool, "stream.kv_cache")
+    if st.model is not None and not (Path(st.model) / "model_index.json").is_file():
+        raise ConfigError(f"stream.model: {st.model} is not a diffusers model directory (no model_index.json)")
+    if not isinstance(st.sizes, list) or not st.sizes:
+        raise ConfigError("stream.sizes: expected a non-empty list of WxH sizes")
+    st.sizes = ["{}x{}".format(*parse_size(s, f"stream.sizes[{i}]")) for i, s in enumerate(st.sizes)]
+    st.default_size = "{}x{}".format(*parse_size(st.default_size, "stream.default_size"))
+    if st.default_size not in st.sizes:
+        raise ConfigError(f"stream.default_size: {st.default_size} is not one of stream.sizes ({', '.join(st.sizes)})")
+    for key in ("max_sessions", "default_chunks", "max_chunks", "steps", "max_steps", "window_chunks", "fps"):
+        _check_type(getattr(st, key), int, f"stream.{key}")
+        if getattr(st, key) < 1:
+            raise ConfigError(f"stream.{key}: must be >= 1")
+    if not 2 <= st.default_chunks <= st.max_chunks:
+        raise ConfigError(f"stream.default_chunks: must be within 2..stream.max_chunks ({st.max_chunks})")
+    if st.steps > st.max_steps:
+        raise ConfigError(f"stream.steps: {st.steps} is above stream.max_steps {st.max_steps}")
+    _check_type(st.idle_timeout_seconds, (int, float), "stream.idle_timeout_seconds")
+    if st.idle_timeout_seconds <= 0:
+        raise ConfigError("stream.idle_timeout_seconds: must be > 0")
 
 
 def _servable(cfg: ServiceConfig, size: Any, key: str) -> None:

@@ -38,6 +38,7 @@ from stepwatch.service.fingerprint import fingerprint_id
 from stepwatch.service.jobs import Job, VideoJobs
 from stepwatch.service.messages import ProgressMsg, ReadyMsg, Reply, ResultMsg
 from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Scheduler, Ticket
+from stepwatch.service.sessions import SessionManager
 from stepwatch.service.stall import Busy, InFlight, StallPolicy, restart_due, stalled_seconds
 from stepwatch.service.worker_client import WorkerClient, WorkerDied, exit_text
 
@@ -134,6 +135,7 @@ class Service:
                                    cfg.queue.max_queued)
         self.worker = WorkerClient(cfg, self.on_worker_ready, self._on_fatal, self.on_worker_died, self._on_progress)
         self.videos: VideoJobs | None = None
+        self.sessions = SessionManager(cfg, self.worker) if cfg.stream_active else None
         if cfg.video_active:
             self.videos = VideoJobs(cfg, self.m, self._cancel_running)
             self.videos.on_result = self._video_result
@@ -179,6 +181,8 @@ class Service:
             self._stop.set()
             shutting_down = _server_error(503, "the service is shutting down", "shutting_down")
             self._fail_queued(shutting_down)
+            if self.sessions is not None:
+                self.sessions.stop()
             self.worker.stop()
             self._fail_queued(shutting_down)  # admitted while the worker stopped: answered, not left waiting
             self._stopped = True

@@ -5,9 +5,11 @@ these are TypedDicts: the wire format is the dict, and mypy checks that the
 worker sends what the server reads.  Every request but ``shutdown`` carries an
 ``id`` that its reply repeats; ``ready`` and ``fatal`` are unsolicited.
 
-  server -> worker  generate, knobs, info, shutdown
+  server -> worker  generate, knobs, info, shutdown; session (open one: its reply comes when it ends),
+                    session_prompt, session_close
   worker -> server  ready, fatal (once, at start-up); result or error (generate); knobs; info;
-                    error (any request that failed); progress (a video job's steps, before its result)
+                    error (any request that failed); progress (a video job's steps, before its result);
+                    session_started and chunk (a session's, before its session_end); session_ack
 """
 
 from __future__ import annotations
@@ -37,8 +39,31 @@ class ShutdownMsg(TypedDict):
     op: Literal["shutdown"]
 
 
-Request = GenerateMsg | KnobsMsg | InfoMsg
-ToWorker = GenerateMsg | KnobsMsg | InfoMsg | ShutdownMsg
+class SessionMsg(TypedDict):
+    """Open a streaming session; ``id`` is the session's and its session_end (or a refusal) the reply."""
+
+    op: Literal["session"]
+    id: str
+    request: dict[str, Any]  # prompt, seed, width, height, chunks, steps
+    opened_at: float  # the server's time.perf_counter() when the client opened it (the system's monotonic clock)
+
+
+class SessionPromptMsg(TypedDict):
+    op: Literal["session_prompt"]
+    id: str
+    session: str
+    prompt: str
+
+
+class SessionCloseMsg(TypedDict):
+    op: Literal["session_close"]
+    id: str
+    session: str
+    reason: str  # closed (by its client) or idle (the idle timeout)
+
+
+Request = GenerateMsg | KnobsMsg | InfoMsg | SessionMsg | SessionPromptMsg | SessionCloseMsg
+ToWorker = GenerateMsg | KnobsMsg | InfoMsg | ShutdownMsg | SessionMsg | SessionPromptMsg | SessionCloseMsg
 
 
 # ----- worker -> server -------------------------------------------------------------------------
@@ -129,7 +154,7 @@ class _ErrorDetail(TypedDict, total=False):
 class ErrorMsg(_ErrorDetail):
     op: Literal["error"]
     id: str | None
-    kind: Literal["oom", "internal", "invalid", "cancelled"]
+    kind: Literal["oom", "internal", "invalid", "cancelled", "busy"]  # busy: every session slot is taken
     message: str
 
 
@@ -160,5 +185,47 @@ class ProgressMsg(TypedDict):
     steps: int
 
 
-Reply = ResultMsg | ErrorMsg | KnobsReply | InfoReply
-FromWorker = ReadyMsg | FatalMsg | ProgressMsg | Reply
+class SessionStartedMsg(TypedDict):
+    """Unsolicited: the session has a slot and its call started (``id``: the session's)."""
+
+    op: Literal["session_started"]
+    id: str
+    chunks: int
+    frames_per_chunk: list[int]
+
+
+class ChunkMsg(TypedDict):
+    """Unsolicited: one chunk's frames, sent as soon as the chunk is done."""
+
+    op: Literal["chunk"]
+    id: str
+    index: int
+    frames: list[bytes]  # PNG
+    prompt_version: int  # 0: the opening prompt; each accepted change adds 1
+    seconds: float  # the chunk's latency as the worker saw it (previous chunk's frames out to this one's)
+
+
+class SessionEndMsg(TypedDict):
+    """The reply to ``session``: how it ended and what it delivered."""
+
+    op: Literal["session_end"]
+    id: str
+    outcome: Literal["done", "closed", "failed"]
+    reason: str  # done, closed, idle, oom, error
+    chunks: int  # chunks delivered
+    message: str
+
+
+class SessionAckMsg(TypedDict):
+    """The reply to session_prompt and session_close: ``applies_from`` is the first chunk the change reaches."""
+
+    op: Literal["session_ack"]
+    id: str
+    session: str
+    ok: bool
+    applies_from: int
+    message: str
+
+
+Reply = ResultMsg | ErrorMsg | KnobsReply | InfoReply | SessionEndMsg | SessionAckMsg
+FromWorker = ReadyMsg | FatalMsg | ProgressMsg | SessionStartedMsg | ChunkMsg | Reply

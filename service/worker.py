@@ -18,6 +18,7 @@ import io
 import logging
 import os
 import resource
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -50,6 +51,7 @@ from stepwatch.service.messages import (
     ReadyMsg,
     Reply,
     ResultMsg,
+    SessionMsg,
     ToWorker,
     WarmupRun,
 )
@@ -126,6 +128,14 @@ class Worker:
         self.rank_delays: dict[int, float] = {}
         self.rank_procs: list[RankProc] = []  # set by service/ranks.py on rank 0
         self._weights = ""
+        self.sessions: Any = None  # stream_worker.StreamSessions where streaming sessions are served
+        self._send_lock = threading.Lock()  # session threads send chunks beside the main loop's replies
+
+    def send(self, msg: Any) -> None:
+        """One message to the server, whole (a Connection is not safe for two senders at once)."""
+        assert self.conn is not None
+        with self._send_lock:
+            self.conn.send(msg)
 
     # ----- set-up ---------------------------------------------------------------------------
     def setup(self) -> ReadyMsg:
@@ -141,10 +151,13 @@ class Worker:
             server, _ = serve_metrics(0, "127.0.0.1", registry)
             self.metrics_port = server.server_port
         self._setup_video(registry)
+        self._setup_stream(registry)
         self.apply_knobs({"cache": cfg.cache.kind, "cache_threshold": cfg.cache.threshold,
                           "vae_tiling": cfg.vae_tiling, "compile": cfg.compile.enabled, **self._video_knobs()},
                          warm=False)
         warm = self.warmup() + self._warm_video()
+        if self.sessions is not None:
+            self.sessions.warm()
         self._arm_budget()
         return {"op": "ready", "pid": os.getpid(), "metrics_port": self.metrics_port,
                 "fingerprint": self.fingerprint(), "knobs": dict(self.knobs), "ledger": self.ledger_params(),
@@ -163,6 +176,16 @@ class Worker:
         self._weights += "+" + weights_digest(self.video_pipe)
         self.video_inst = instrument(self.video_pipe, registry=registry, shapes=cfg.video_serving_shapes(),
                                      text_tokens=cfg.text_tokens, few_step_max_steps=self._few_step_max())
+
+    def _setup_stream(self, registry: CollectorRegistry) -> None:
+        """Session slots (service/stream_worker.py): their pipelines, instrumented on the same registry."""
+        if not self.cfg.stream_active or self.conn is None:
+            return
+        from stepwatch.service.stream_worker import StreamSessions
+
+        cfg = self.cfg
+        self.sessions = StreamSessions(cfg.stream, registry, self.send, seed=cfg.seed, device=cfg.device,
+                                       dtype=cfg.dtype, text_tokens=cfg.text_tokens)
 
     def _few_step_max(self) -> int:
         from stepwatch.alerts.thresholds import load
@@ -390,7 +413,7 @@ class Worker:
             if self.cancel is not None and req.job and self.cancel.value == req.job:
                 raise JobCancelled(f"video job {req.job} cancelled at step {i + 1} of {req.steps}")
             if msg_id is not None and self.conn is not None:
-                self.conn.send({"op": "progress", "id": msg_id, "step": i + 1, "steps": req.steps})
+                self.send({"op": "progress", "id": msg_id, "step": i + 1, "steps": req.steps})
             return kw
 
         return self.video_pipe(
@@ -533,13 +556,31 @@ class Worker:
                 msg = {"op": "shutdown"}
             refused = _refusal(msg, self.world, self.video_pipe is not None)
             if refused is not None:
-                self.conn.send(refused)
+                self.send(refused)
                 continue
             if self.world > 1 and msg["op"] in ("generate", "knobs", "shutdown"):
                 self._broadcast(msg)
             if msg["op"] == "shutdown":
+                if self.sessions is not None:
+                    self.sessions.close_all()
                 return
-            self.conn.send(self._reply(msg))
+            if msg["op"] == "session":
+                refused = self._open_session(msg)
+                if refused is not None:
+                    self.send(refused)
+                continue
+            self.send(self._reply(msg))
+
+    def _open_session(self, msg: SessionMsg) -> ErrorMsg | None:
+        """Start a session on its own thread (it replies when it ends), or the refusal to send now."""
+        if self.sessions is None:
+            return {"op": "error", "id": msg["id"], "kind": "invalid", "message": "streaming is off on this worker"}
+        try:
+            refused: ErrorMsg | None = self.sessions.open(msg)
+        except Exception:
+            log.exception("opening a session failed")
+            return {"op": "error", "id": msg["id"], "kind": "internal", "message": traceback.format_exc(limit=2)}
+        return refused
 
     def _reply(self, msg: ToWorker) -> Reply:
         try:
@@ -550,6 +591,11 @@ class Worker:
                         "fingerprint": self.fingerprint()}
             if msg["op"] == "info":
                 return self.info(msg["id"])
+            if msg["op"] in ("session_prompt", "session_close"):
+                if self.sessions is None:
+                    return {"op": "error", "id": msg["id"], "kind": "invalid", "message": "streaming is off"}
+                return (self.sessions.set_prompt(msg) if msg["op"] == "session_prompt"
+                        else self.sessions.close(msg))
             return {"op": "error", "id": msg.get("id"), "kind": "internal", "message": f"unknown op {msg['op']!r}"}
         except Exception:
             return {"op": "error", "id": msg.get("id"), "kind": "internal",

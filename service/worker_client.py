@@ -20,7 +20,15 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from stepwatch.service.config import ServiceConfig
-from stepwatch.service.messages import FromWorker, ProgressMsg, ReadyMsg, Reply, Request
+from stepwatch.service.messages import (
+    ChunkMsg,
+    FromWorker,
+    ProgressMsg,
+    ReadyMsg,
+    Reply,
+    Request,
+    SessionStartedMsg,
+)
 
 log = logging.getLogger("stepwatch.service")
 
@@ -58,10 +66,12 @@ class WorkerClient:
 
     def __init__(self, cfg: ServiceConfig, on_ready: Callable[[ReadyMsg], None], on_fatal: Callable[[str], None],
                  on_died: Callable[[int | None], None],
-                 on_progress: Callable[[ProgressMsg], None] | None = None) -> None:
+                 on_progress: Callable[[ProgressMsg], None] | None = None,
+                 on_session: Callable[[SessionStartedMsg | ChunkMsg], None] | None = None) -> None:
         self.cfg = cfg
         self._on_ready, self._on_fatal, self._on_died = on_ready, on_fatal, on_died
         self._on_progress = on_progress
+        self.on_session = on_session  # a session's started and chunk messages (service/sessions.py)
         # The number of the video job to stop, shared with the worker (it reads it after every step): a job
         # cancelled while it runs stops within a step instead of holding the worker to its end.
         self.cancel = mp.get_context("spawn").Value("q", 0, lock=False)
@@ -121,6 +131,9 @@ class WorkerClient:
         elif msg["op"] == "progress":
             if self._on_progress is not None:
                 self._on_progress(msg)
+        elif msg["op"] in ("session_started", "chunk"):
+            if self.on_session is not None:
+                self.on_session(msg)
         else:
             with self._lock:
                 fut = self._pending.pop(str(msg.get("id")), None)

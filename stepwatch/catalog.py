@@ -28,12 +28,14 @@ DURATION_BUCKETS: tuple[float, ...] = (
 # Position of a cache hit in the trajectory: step index / steps, deciles.
 POSITION_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 PSNR_BUCKETS: tuple[float, ...] = (10, 15, 20, 24, 26, 28, 30, 32, 35, 40, 50, 60, 100)
-# Peak memory / capacity per request.  0.9 is the memory alert's threshold and must stay a
-# boundary (validated by the rule generator); > 1 is an OOM's failed demand.
 # Chunk latency of streaming video: sub-second first chunks on a GPU (seed 002) to tens of seconds on a CPU.
 CHUNK_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 # Generation seconds / playback seconds per chunk; 1.0 (the stall line) must stay a boundary.
 REALTIME_FACTOR_BUCKETS: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+# A streaming session's length: a few chunks on a practice service to tens of minutes of live video.
+SESSION_BUCKETS: tuple[float, ...] = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+# Peak memory / capacity per request.  0.9 is the memory alert's threshold and must stay a
+# boundary (validated by the rule generator); > 1 is an OOM's failed demand.
 MEMORY_RATIO_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.5)
 
 
@@ -175,7 +177,8 @@ METRICS: tuple[MetricDef, ...] = (
        "value the service started with; 0 again once it is restored.", ("knob",), "service"),
     # --- in-process exporter, chunked autoregressive video (exporter/chunks.py) ---------------
     _m("stepwatch_stream_first_chunk_seconds", "histogram",
-       "Call start to the first chunk's frames out: what a streaming client waits before its first frames.",
+       "Session open (or, outside a session, the call's start) to the first chunk's frames out: what a streaming "
+       "client waits before its first frames.",
        (), "stream", CHUNK_BUCKETS),
     _m("stepwatch_stream_chunk_duration_seconds", "histogram",
        "Latency of one chunk: the previous chunk's frames out to this one's (the first from the call's start).",
@@ -197,6 +200,17 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_stream_kv_window_tokens", "gauge",
        "Tokens the KV window of the last chunked call holds (full-resolution chunks plus compressed older ones).",
        (), "stream"),
+    _m("stepwatch_stream_steps_total", "counter",
+       "Denoising steps of chunked calls; over the chunk-latency histogram's count: steps per chunk.",
+       (), "stream"),
+    _m("stepwatch_stream_sessions_active", "gauge",
+       "Streaming sessions running on this worker (a host marks them with Instrumentation.stream_session).",
+       (), "stream"),
+    _m("stepwatch_stream_sessions_total", "counter",
+       "Streaming sessions that ended: done (every chunk out), closed (by the client or its idle timeout), "
+       "failed (an error or out of memory).", ("outcome",), "stream"),
+    _m("stepwatch_stream_session_duration_seconds", "histogram",
+       "A session's open to its end, whatever the outcome.", (), "stream", SESSION_BUCKETS),
     # --- practice service: asynchronous video jobs (POST /v1/videos) ----------------------
     _m("stepwatch_video_jobs_created_total", "counter", "Video jobs accepted (202).", ("pool",), "service"),
     _m("stepwatch_video_jobs_finished_total", "counter",

@@ -1,0 +1,216 @@
+"""The server's side of streaming sessions: open, stream the chunks, change the prompt, close, time out.
+
+HTTP (service/app.py):
+
+  POST   /v1/stream/sessions              {prompt, seed?, size?, chunks?, steps?} -> 200 text/event-stream:
+                                          ``session`` (id, chunks, frames per chunk), one ``chunk`` per chunk
+                                          (index, frames as base64 PNGs, prompt_version, seconds), ``end``
+                                          (outcome done | closed | failed, reason, chunks delivered, message);
+                                          429 (Retry-After) when every session slot is taken
+  POST   /v1/stream/sessions/{id}/prompt  {prompt} -> {applies_from}: the first chunk the new prompt reaches
+  DELETE /v1/stream/sessions/{id}         -> {closing_after}: chunks delivered before it stops
+
+The worker runs the session (service/stream_worker.py) and sends its chunks as they are done; they wait here in
+the session's queue until its event stream takes them.  A client that goes away closes its session; one that
+stops reading leaves chunks in the queue, and after ``stream.idle_timeout_seconds`` without taking one its
+session is closed (reason ``idle``), so an abandoned session never holds a slot and its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepwatch.service import api
+from stepwatch.service.config import ServiceConfig, parse_size
+from stepwatch.service.messages import ChunkMsg, SessionStartedMsg
+from stepwatch.service.worker_client import WorkerClient, WorkerDied
+
+log = logging.getLogger("stepwatch.service")
+OPEN_TIMEOUT = 30.0  # seconds to wait for the worker to start a session (a slot's first call)
+REAP_EVERY = 1.0
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event."""
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+@dataclass
+class StreamSession:
+    id: str
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[tuple[str, bytes]] = field(default_factory=asyncio.Queue)
+    last_taken: float = field(default_factory=time.monotonic)
+    ended: bool = False
+
+    def put(self, kind: str, payload: bytes) -> None:
+        """From any thread: hand an event to the session's stream."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+    async def take(self) -> tuple[str, bytes]:
+        ev = await self.events.get()
+        self.last_taken = time.monotonic()
+        return ev
+
+    def waiting(self) -> int:
+        """Events queued and not taken (a length read from another thread: the reaper's estimate)."""
+        return self.events.qsize()
+
+
+def parse_request(body: Any, cfg: ServiceConfig) -> dict[str, Any]:
+    """A session's opening request, checked: a 400 that names the field, as the images API does."""
+    if not isinstance(body, dict):
+        raise api.ApiError(400, "the body must be a JSON object", None, "invalid_type")
+    st = cfg.stream
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > api.MAX_PROMPT_CHARS:
+        raise api.ApiError(400, f"'prompt' must be a non-empty string of at most {api.MAX_PROMPT_CHARS} characters",
+                           "prompt")
+    size = body.get("size") or st.default_size
+    if size not in st.sizes:
+        raise api.ApiError(400, f"'size' must be one of {', '.join(st.sizes)}", "size")
+    w, h = parse_size(size)
+    return {"prompt": prompt, "width": w, "height": h, "seed": _int(body, "seed", 0, 0, 2**32 - 1),
+            "chunks": _int(body, "chunks", st.default_chunks, 2, st.max_chunks),
+            "steps": _int(body, "steps", st.steps, 1, st.max_steps)}
+
+
+def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise api.ApiError(400, f"'{key}' must be an integer within {lo}..{hi}", key)
+    return v
+
+
+def prompt_of(body: Any) -> str:
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > api.MAX_PROMPT_CHARS:
+        raise api.ApiError(400, f"'prompt' must be a non-empty string of at most {api.MAX_PROMPT_CHARS} characters",
+                           "prompt")
+    return prompt
+
+
+class SessionManager:
+    """The sessions this server streams; the worker holds their state, this holds their event queues."""
+
+    def __init__(self, cfg: ServiceConfig, worker: WorkerClient) -> None:
+        self.cfg = cfg
+        self.worker = worker
+        worker.on_session = self.on_worker_event
+        self.sessions: dict[str, StreamSession] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._reap, daemon=True, name="stepwatch-sessions").start()
+
+    async def open(self, body: Any) -> StreamSession:
+        """Start a session on the worker and wait until it runs: its ``session`` event is the first one queued.
+        A refusal (every slot taken) is a 429; a worker that cannot start it, a 503."""
+        opened_at = time.perf_counter()
+        req = parse_request(body, self.cfg)
+        sess = StreamSession(uuid.uuid4().hex, asyncio.get_running_loop())
+        with self._lock:
+            self.sessions[sess.id] = sess
+        fut = self.worker.call({"op": "session", "id": sess.id, "request": req, "opened_at": opened_at})
+        fut.add_done_callback(lambda f: self._ended(sess, f))
+        try:
+            kind, payload = await asyncio.wait_for(sess.take(), OPEN_TIMEOUT)
+        except TimeoutError:
+            self.close(sess.id, "closed")
+            raise api.ApiError(503, "the worker did not start the session in time", None, "unavailable",
+                               "server_error", {"Retry-After": "5"}) from None
+        if kind == "end":
+            self.forget(sess.id)
+            raise _refusal(json.loads(payload.decode().split("data: ", 1)[1]))
+        sess.events.put_nowait((kind, payload))  # the stream sends it first
+        return sess
+
+    def on_worker_event(self, msg: SessionStartedMsg | ChunkMsg) -> None:
+        """From the worker's reader thread: a session started, or one of its chunks is done."""
+        sess = self.sessions.get(msg["id"])
+        if sess is None:
+            return
+        if msg["op"] == "session_started":
+            sess.put("session", sse("session", {"id": msg["id"], "chunks": msg["chunks"],
+                                                "frames_per_chunk": msg["frames_per_chunk"]}))
+            return
+        frames = [base64.b64encode(f).decode("ascii") for f in msg["frames"]]
+        sess.put("chunk", sse("chunk", {"index": msg["index"], "frames": frames,
+                                        "prompt_version": msg["prompt_version"], "seconds": round(msg["seconds"], 4)}))
+
+    def _ended(self, sess: StreamSession, fut: Future[Any]) -> None:
+        """The worker's last word on a session: its end, a refusal, or the worker's death."""
+        try:
+            reply = fut.result()
+        except WorkerDied as e:
+            reply = {"op": "session_end", "outcome": "failed", "reason": "worker_died", "chunks": -1,
+                     "message": f"the worker died: {e}"}
+        sess.ended = True
+        if reply.get("op") == "error":
+            data = {"outcome": "refused" if reply.get("kind") == "busy" else "failed", "reason": reply.get("kind"),
+                    "chunks": 0, "message": reply.get("message", "")}
+        else:
+            data = {k: reply.get(k) for k in ("outcome", "reason", "chunks", "message")}
+        sess.put("end", sse("end", data))
+
+    def set_prompt(self, sid: str, body: Any) -> dict[str, Any]:
+        """Change a running session's prompt (blocking: run it on a thread)."""
+        prompt = prompt_of(body)
+        ack = self._ask({"op": "session_prompt", "id": "", "session": sid, "prompt": prompt})
+        return {"id": sid, "applies_from": ack["applies_from"], "message": ack["message"]}
+
+    def close_and_wait(self, sid: str) -> dict[str, Any]:
+        ack = self._ask({"op": "session_close", "id": "", "session": sid, "reason": "closed"})
+        return {"id": sid, "closing_after": ack["applies_from"], "message": ack["message"]}
+
+    def _ask(self, msg: Any) -> dict[str, Any]:
+        if msg["session"] not in self.sessions:
+            raise api.ApiError(404, f"no such session {msg['session']}", None, "not_found")
+        try:
+            ack = self.worker.call(msg).result(timeout=10)
+        except WorkerDied as e:
+            raise api.ApiError(503, f"the worker is unavailable: {e}", None, "unavailable", "server_error") from None
+        if ack.get("op") != "session_ack" or not ack.get("ok"):
+            raise api.ApiError(404, str(ack.get("message", "no such session")), None, "not_found")
+        return dict(ack)
+
+    def close(self, sid: str, reason: str) -> None:
+        """Ask the worker to stop a session, without waiting (a client that went away, the idle timeout)."""
+        sess = self.sessions.get(sid)
+        if sess is not None and not sess.ended:
+            self.worker.call({"op": "session_close", "id": "", "session": sid, "reason": reason})
+
+    def forget(self, sid: str) -> None:
+        with self._lock:
+            self.sessions.pop(sid, None)
+
+    def _reap(self) -> None:
+        """Close sessions whose client stopped reading: chunks waiting, none taken for the idle timeout."""
+        limit = self.cfg.stream.idle_timeout_seconds
+        while not self._stop.wait(REAP_EVERY):
+            now = time.monotonic()
+            for sess in list(self.sessions.values()):
+                if not sess.ended and sess.waiting() > 0 and now - sess.last_taken > limit:
+                    log.info("session %s idle for %.0f s: closing it", sess.id[:8], now - sess.last_taken)
+                    sess.last_taken = now  # asked once per timeout
+                    self.close(sess.id, "idle")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _refusal(end: dict[str, Any]) -> api.ApiError:
+    if end.get("outcome") == "refused":
+        return api.ApiError(429, str(end.get("message")), None, "sessions_full", "server_error", {"Retry-After": "5"})
+    return api.ApiError(503, f"the session could not start: {end.get('message')}", None, "unavailable",
+                        "server_error", {"Retry-After": "5"})

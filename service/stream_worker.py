@@ -1,0 +1,281 @@
+"""The worker's streaming sessions: one AnyFlowFAR pipeline per session slot, each session a thread.
+
+A session is one chunked autoregressive call (``output_type="latent"``).  The step callback, at each chunk's
+last step, decodes that chunk through the Wan VAE's causal decode cache (kept across the session's chunks, so
+chunk by chunk gives the same frames as one decode of the whole clip) and sends its frames to the server at
+once; then the call encodes the chunk into its KV cache and goes on.  A prompt change is written into the
+call's prompt embeddings in place between chunks (the pipeline builds ``encoder_hidden_states`` once, and
+without CFG it is that same tensor), so it reaches every chunk after the one in flight.  A close (by the
+client or its idle timeout) stops the call at its next step.  When the call ends, its KV cache is the
+call's garbage: the exporter's KV gauges drop its share (exporter/chunks.py), and the slot is free again.
+
+Sessions run on their own threads beside the image loop: the main thread only starts them and passes prompt
+changes and closes, so a long session never holds up image requests (both share the worker's CPUs and its
+memory budget; a session that runs out fails alone, as an image request does).
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from prometheus_client import CollectorRegistry
+
+from stepwatch.exporter import instrument
+from stepwatch.exporter.memory import is_oom
+from stepwatch.service.config import StreamConfig
+from stepwatch.service.messages import (
+    ErrorMsg,
+    SessionAckMsg,
+    SessionCloseMsg,
+    SessionEndMsg,
+    SessionMsg,
+    SessionPromptMsg,
+)
+from stepwatch.service.pipeline import build_pipeline, prompt_words
+
+log = logging.getLogger("stepwatch.service.worker")
+Send = Callable[[Any], None]
+
+
+class SessionClosed(Exception):
+    """Raised from the step callback once the session was closed; the exporter counts the session closed."""
+
+    stepwatch_outcome = "cancelled"
+
+
+def partition(chunks: int) -> list[int]:
+    """Latent frames per chunk: one, then two per chunk (the tiny model's own schedule, extended)."""
+    return [1] + [2] * (chunks - 1)
+
+
+def frames_per_chunk(chunks: int, temporal: int = 4) -> list[int]:
+    """Frames out per chunk: Wan's causal VAE turns the first latent frame into one frame, later ones into 4."""
+    return [1 + temporal * (n - 1) if i == 0 else temporal * n for i, n in enumerate(partition(chunks))]
+
+
+class ChunkDecoder:
+    """Decode a session's chunks one by one through the VAE's causal cache (as ``AutoencoderKLWan._decode`` does
+    for the whole clip): frame-identical to one decode of every chunk's latents at the end."""
+
+    def __init__(self, vae: Any) -> None:
+        self.vae = vae
+        cfg = vae.config
+        self.mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1)
+        self.std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)
+        self.first = True
+
+    def decode(self, chunk_latents: Any) -> np.ndarray:
+        """(B, T, C, h, w) latents of one chunk -> (F, H, W, 3) uint8 frames of its first video."""
+        vae = self.vae
+        z = chunk_latents.permute(0, 2, 1, 3, 4).to(self.mean.dtype) * self.std + self.mean
+        if self.first:
+            vae.clear_cache()
+        vae._conv_idx = [0]
+        out = vae.decoder(vae.post_quant_conv(z.to(vae.dtype)), feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                          first_chunk=self.first)
+        self.first = False
+        video = ((out[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # (3, F, H, W)
+        return video.permute(1, 2, 3, 0).cpu().numpy()
+
+    def close(self) -> None:
+        self.vae.clear_cache()
+
+
+def png_frames(frames: np.ndarray) -> list[bytes]:
+    out = []
+    for f in frames:
+        buf = io.BytesIO()
+        Image.fromarray(f).save(buf, format="PNG", compress_level=1)
+        out.append(buf.getvalue())
+    return out
+
+
+@dataclass
+class Slot:
+    pipe: Any
+    inst: Any
+    session: LiveSession | None = None
+
+
+@dataclass
+class LiveSession:
+    """A running session: what the main thread's prompt changes and closes hand to its thread."""
+
+    id: str
+    request: dict[str, Any]
+    opened_at: float
+    slot: Slot
+    delivered: int = 0
+    prompt_version: int = 0  # of the chunk in flight
+    pending_prompt: str | None = None
+    pending_version: int = 0
+    closing: str | None = None  # closed or idle, once asked to stop
+    last_out: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class StreamSessions:
+    """The session slots of one worker and the sessions on them."""
+
+    def __init__(self, cfg: StreamConfig, registry: CollectorRegistry, send: Send, *, seed: int, device: str,
+                 dtype: str | None, text_tokens: int) -> None:
+        self.cfg = cfg
+        self.send = send
+        self.text_tokens = text_tokens
+        self.kv_cache = cfg.kv_cache
+        self.slots = [self._slot(registry, seed, device, dtype) for _ in range(cfg.max_sessions)]
+        self._lock = threading.Lock()
+        self.sessions: dict[str, LiveSession] = {}
+
+    def _slot(self, registry: CollectorRegistry, seed: int, device: str, dtype: str | None) -> Slot:
+        pipe = build_pipeline("far", model=self.cfg.model, seed=seed, device=device, dtype=dtype)
+        pipe.transformer.register_to_config(full_chunk_limit=self.cfg.window_chunks)
+        inst = instrument(pipe, registry=registry, text_tokens=self.text_tokens, stream_fps=float(self.cfg.fps))
+        return Slot(pipe, inst)
+
+    def warm(self) -> None:
+        """One short call per slot: the first call of a pipeline pays one-off costs a client must not see."""
+        w, h = (int(v) for v in self.cfg.default_size.split("x"))
+        for slot in self.slots:
+            with slot.inst.warmup():
+                s = LiveSession("warm-up", {"prompt": "warm up", "seed": 0, "width": w, "height": h, "chunks": 2,
+                                            "steps": self.cfg.steps}, time.perf_counter(), slot)
+                self._call(s, deliver=False)
+
+    # ----- the main thread's side -----------------------------------------------------------
+    def open(self, msg: SessionMsg) -> ErrorMsg | None:
+        """Start the session on a free slot (its thread answers when it ends); a refusal when none is free."""
+        with self._lock:
+            slot = next((s for s in self.slots if s.session is None), None)
+            if slot is None:
+                return {"op": "error", "id": msg["id"], "kind": "busy",
+                        "message": f"all {len(self.slots)} session slots of this worker are taken; retry later"}
+            s = slot.session = LiveSession(msg["id"], msg["request"], msg["opened_at"], slot)
+            self.sessions[s.id] = s
+        chunks = int(s.request["chunks"])
+        self.send({"op": "session_started", "id": s.id, "chunks": chunks, "frames_per_chunk": frames_per_chunk(chunks)})
+        threading.Thread(target=self._run, args=(s,), daemon=True, name=f"stream-session-{s.id[:8]}").start()
+        return None
+
+    def set_prompt(self, msg: SessionPromptMsg) -> SessionAckMsg:
+        s = self.sessions.get(msg["session"])
+        if s is None:
+            return _ack(msg["id"], msg["session"], False, 0, "no such session (it ended or never existed)")
+        with s.lock:
+            s.pending_prompt = msg["prompt"]
+            s.pending_version += 1
+            applies = s.delivered + 1
+        return _ack(msg["id"], s.id, True, applies, f"the new prompt applies from chunk {applies}")
+
+    def close(self, msg: SessionCloseMsg) -> SessionAckMsg:
+        s = self.sessions.get(msg["session"])
+        if s is None:
+            return _ack(msg["id"], msg["session"], False, 0, "no such session (it ended or never existed)")
+        with s.lock:
+            s.closing = s.closing or msg.get("reason") or "closed"
+            at = s.delivered
+        return _ack(msg["id"], s.id, True, at, f"closing after {at} chunks")
+
+    def close_all(self) -> None:
+        for s in list(self.sessions.values()):
+            s.closing = s.closing or "closed"
+
+    # ----- the session's thread ---------------------------------------------------------------
+    def _run(self, s: LiveSession) -> None:
+        outcome, reason, message = "done", "done", ""
+        failure: BaseException | None = None
+        try:
+            with s.slot.inst.stream_session(opened_at=s.opened_at):
+                self._call(s, deliver=True)
+        except SessionClosed:
+            outcome, reason = "closed", s.closing or "closed"
+        except Exception as exc:
+            failure = exc
+            outcome, reason = "failed", "oom" if is_oom(exc) else "error"
+            message = traceback.format_exc(limit=2)[-500:]
+        finally:
+            with self._lock:
+                s.slot.session = None
+                self.sessions.pop(s.id, None)
+        if failure is not None:
+            log.warning("session %s failed after %d chunks: %s", s.id[:8], s.delivered, failure)
+            message = _failure_message(failure, s) if reason == "oom" else message
+            del failure
+        gc.collect()  # the call's KV cache and the exception's frames: freed before the slot is reused
+        end: SessionEndMsg = {"op": "session_end", "id": s.id, "outcome": outcome,
+                              "reason": reason, "chunks": s.delivered, "message": message}
+        self.send(end)
+
+    def _call(self, s: LiveSession, deliver: bool) -> None:
+        req, pipe = s.request, s.slot.pipe
+        chunks = int(req["chunks"])
+        parts = partition(chunks)
+        decoder = ChunkDecoder(pipe.vae)
+        last = {"steps": 0}
+
+        def on_step(p: Any, i: int, _t: Any, kw: dict[str, Any]) -> dict[str, Any]:
+            if s.closing:
+                raise SessionClosed(f"session closed ({s.closing}) after {s.delivered} chunks")
+            last["steps"] = len(p.scheduler.timesteps)
+            if i == last["steps"] - 1:
+                frames = decoder.decode(kw["latents"])
+                if deliver:
+                    self._deliver(s, frames)
+                self._take_prompt(s, p, kw["prompt_embeds"])
+            return kw
+
+        s.last_out = s.opened_at
+        try:
+            pipe(prompt_words(req["prompt"]), height=int(req["height"]), width=int(req["width"]),
+                 num_frames=1 + 4 * (sum(parts) - 1), num_inference_steps=int(req["steps"]), chunk_partition=parts,
+                 output_type="latent", generator=torch.Generator().manual_seed(int(req["seed"])),
+                 callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"],
+                 max_sequence_length=self.text_tokens, use_kv_cache=self.kv_cache)
+        finally:
+            decoder.close()
+
+    def _deliver(self, s: LiveSession, frames: np.ndarray) -> None:
+        now = time.perf_counter()
+        pngs = png_frames(frames)
+        with s.lock:
+            index = s.delivered
+            s.delivered += 1
+            seconds, s.last_out = now - s.last_out, now
+        self.send({"op": "chunk", "id": s.id, "index": index, "frames": pngs, "prompt_version": s.prompt_version,
+                   "seconds": seconds})
+
+    def _take_prompt(self, s: LiveSession, pipe: Any, prompt_embeds: Any) -> None:
+        """A pending prompt change, written into the call's embeddings before the next chunk starts."""
+        with s.lock:
+            prompt, version = s.pending_prompt, s.pending_version
+            s.pending_prompt = None
+        if prompt is None:
+            return
+        new, _ = pipe.encode_prompt(prompt_words(prompt), do_classifier_free_guidance=False,
+                                    max_sequence_length=self.text_tokens, device=prompt_embeds.device)
+        prompt_embeds.copy_(new.to(prompt_embeds.dtype))
+        s.prompt_version = version
+
+
+def _ack(id_: str, session: str, ok: bool, applies_from: int, message: str) -> SessionAckMsg:
+    return {"op": "session_ack", "id": id_, "session": session, "ok": ok, "applies_from": applies_from,
+            "message": message}
+
+
+def _failure_message(exc: BaseException, s: LiveSession) -> str:
+    r = s.request
+    return (f"out of memory streaming {r['width']}x{r['height']} x {r['chunks']} chunks after {s.delivered} "
+            f"chunks ({type(exc).__name__}): the session's KV cache or its chunk did not fit the worker's memory; "
+            "fix: a shorter window (stream.window_chunks), fewer chunks or a smaller size. The session failed; "
+            "the worker keeps serving.")

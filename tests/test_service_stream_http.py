@@ -1,0 +1,156 @@
+"""Streaming sessions over real HTTP against the real service (one start): sessions read as they stream, a prompt
+changed mid-session, a close, a refusal past the slots, and the chunk series on /metrics against what the
+clients saw (chunks observed = chunks delivered, KV bytes back to idle, first-chunk latency within 10%)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.promtext import total, value
+from tests.servicefixture import ServiceProc
+from tests.test_exposition_lint import assert_lint_clean
+
+OVERRIDES = {"compile": {"enabled": False}, "warmup": ["256x256"], "video": {"enabled": False},
+             "stream": {"enabled": True, "max_sessions": 2, "sizes": ["64x64", "128x128"]}}
+
+
+@dataclass
+class Seen:
+    """What one client saw of its session."""
+
+    status: int = 0
+    id: str = ""
+    first_frames_s: float | None = None
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] = field(default_factory=dict)
+    prompt_ack: dict[str, Any] = field(default_factory=dict)
+    close_ack: dict[str, Any] = field(default_factory=dict)
+
+
+def events(r: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
+    kind = ""
+    for line in r.iter_lines():
+        if line.startswith("event: "):
+            kind = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield kind, json.loads(line[len("data: "):])
+
+
+def run_session(client: httpx.Client, url: str, body: dict[str, Any], seen: Seen, change_at: int | None = None,
+                close_at: int | None = None, started: threading.Event | None = None) -> None:
+    """Open a session and read it to its end; change the prompt after chunk ``change_at``, close after ``close_at``."""
+    t0 = time.perf_counter()
+    with client.stream("POST", url + "/v1/stream/sessions", json=body, timeout=120) as r:
+        seen.status = r.status_code
+        if r.status_code != 200:
+            r.read()
+            seen.end = r.json()
+            return
+        for kind, data in events(r):
+            if kind == "session":
+                seen.id = data["id"]
+                if started is not None:
+                    started.set()
+            elif kind == "chunk":
+                if seen.first_frames_s is None:
+                    seen.first_frames_s = time.perf_counter() - t0
+                seen.chunks.append({k: data[k] for k in ("index", "prompt_version")} | {"frames": len(data["frames"])})
+                if data["index"] == change_at:
+                    seen.prompt_ack = client.post(f"{url}/v1/stream/sessions/{seen.id}/prompt",
+                                                  json={"prompt": "a red kite over a grey sea"}).json()
+                if data["index"] == close_at:
+                    seen.close_ack = client.delete(f"{url}/v1/stream/sessions/{seen.id}").json()
+            elif kind == "end":
+                seen.end = data
+
+
+def stream_counts(svc: ServiceProc) -> dict[str, float]:
+    m = svc.metrics()
+    c = {o: value(m, "stepwatch_stream_sessions_total", outcome=o) for o in ("done", "closed", "failed")}
+    c["chunks"] = value(m, "stepwatch_stream_chunk_duration_seconds_count")
+    c["first_n"] = value(m, "stepwatch_stream_first_chunk_seconds_count")
+    c["first_sum"] = value(m, "stepwatch_stream_first_chunk_seconds_sum")
+    c["kv"] = total(m, "stepwatch_stream_kv_cache_bytes")
+    c["ledger"] = value(m, "stepwatch_stream_kv_cache_ledger_bytes")
+    c["active"] = value(m, "stepwatch_stream_sessions_active")
+    return c
+
+
+@pytest.mark.heavy
+def test_streaming_sessions_over_http(tmp_path: Path) -> None:
+    svc = ServiceProc(tmp_path, OVERRIDES)
+    try:
+        with httpx.Client() as client:
+            client.get(svc.url + "/readyz")  # the connection and the client's set-up, outside the timing
+            before = stream_counts(svc)
+            assert before["kv"] == 0 and before["active"] == 0 and before["chunks"] == 0
+            _first_chunk_matches_the_client(svc, client, before)
+            _two_sessions_a_change_a_close_and_a_refusal(svc, client)
+        assert_lint_clean(svc.get("/metrics")[1], "the service with streaming sessions")
+    finally:
+        svc.close()
+
+
+def _first_chunk_matches_the_client(svc: ServiceProc, client: httpx.Client, before: dict[str, float]) -> None:
+    """One session alone at 128x128: /metrics' first-chunk latency within 10% of the client's wait."""
+    seen = Seen()
+    run_session(client, svc.url, {"prompt": "a lighthouse at dusk", "size": "128x128", "chunks": 4}, seen)
+    assert seen.status == 200 and seen.end["outcome"] == "done", seen
+    assert [c["frames"] for c in seen.chunks] == [1, 8, 8, 8]
+    after = stream_counts(svc)
+    assert after["first_n"] - before["first_n"] == 1
+    served = after["first_sum"] - before["first_sum"]
+    assert seen.first_frames_s is not None
+    print(f"first chunk: /metrics {served:.4f} s, client {seen.first_frames_s:.4f} s")
+    assert abs(served - seen.first_frames_s) <= 0.10 * seen.first_frames_s, (served, seen.first_frames_s)
+
+
+def _two_sessions_a_change_a_close_and_a_refusal(svc: ServiceProc, client: httpx.Client) -> None:
+    before = stream_counts(svc)
+    a, b = Seen(), Seen()
+    a_started, b_started = threading.Event(), threading.Event()
+    ta = threading.Thread(target=run_session, args=(httpx.Client(), svc.url, {"prompt": "a cat", "chunks": 16}, a),
+                          kwargs={"change_at": 1, "started": a_started})
+    tb = threading.Thread(target=run_session, args=(httpx.Client(), svc.url, {"prompt": "a dog", "chunks": 32}, b),
+                          kwargs={"close_at": 3, "started": b_started})
+    ta.start()
+    tb.start()
+    assert a_started.wait(60) and b_started.wait(60)
+    refused = Seen()
+    run_session(client, svc.url, {"prompt": "a third"}, refused)  # both slots are taken
+    ta.join(120)
+    tb.join(120)
+    assert refused.status == 429 and "slots" in refused.end["error"]["message"], refused
+    # A: every chunk, the new prompt from the chunk the server named on.
+    assert a.end == {"outcome": "done", "reason": "done", "chunks": 16, "message": ""}, a.end
+    assert [c["index"] for c in a.chunks] == list(range(16))
+    applies = a.prompt_ack["applies_from"]
+    assert 2 <= applies < 16, a.prompt_ack
+    assert [c["prompt_version"] for c in a.chunks] == [0] * applies + [1] * (16 - applies)
+    # B: closed by its client after chunk 3; it stops within a chunk.
+    assert b.end["outcome"] == "closed" and b.end["reason"] == "closed", b.end
+    assert 4 <= len(b.chunks) == b.end["chunks"] <= 6, b
+    after = _settled(svc, before)
+    assert after["chunks"] - before["chunks"] == len(a.chunks) + len(b.chunks)  # observed = delivered
+    assert after["done"] - before["done"] == 1 and after["closed"] - before["closed"] == 1
+    assert after["failed"] == before["failed"]
+    assert after["kv"] == 0 and after["ledger"] == 0 and after["active"] == 0  # the KV cache left with the calls
+
+
+def _settled(svc: ServiceProc, before: dict[str, float], timeout: float = 10) -> dict[str, float]:
+    """The counts once both sessions' ends are on /metrics (a session's end is recorded as its thread ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = stream_counts(svc)
+        if now["done"] + now["closed"] - before["done"] - before["closed"] >= 2 or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
