@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stepwatch.metrics import MetricSet
@@ -114,6 +114,16 @@ def model_for(pipe: Any, denoiser: Any) -> ChunkModel | None:
             temporal=int(getattr(pipe, "vae_scale_factor_temporal", 4) or 4), element_bytes=int(element))
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def with_window(model: ChunkModel, denoiser: Any) -> ChunkModel:
+    """The model with the denoiser's current window (``full_chunk_limit``): the pipeline reads it at each call's
+    allocation, and a host may change it between calls."""
+    try:
+        limit = int(denoiser.config.get("full_chunk_limit", model.full_chunk_limit))
+    except (AttributeError, TypeError, ValueError):
+        return model
+    return model if limit == model.full_chunk_limit else replace(model, full_chunk_limit=limit)
 
 
 def cache_bytes(kv_cache: Any) -> tuple[int, int]:
@@ -249,6 +259,7 @@ class StreamPublisher:
         self._in_use.set(0)
         self._active = 0
         m.stream_sessions_active.set(0)
+        m.stream_kv_cache_capacity_bytes.set(0)
         for outcome in SESSION_OUTCOMES:
             m.stream_sessions_total.labels(outcome=outcome)
 

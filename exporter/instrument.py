@@ -349,6 +349,7 @@ class Instrumentation:
                         cache=self._find_cache(den) if den is not None else None)
         req.capacity = self.memory.capacity_bytes()
         if self._chunks is not None:
+            self._chunks = chunks.with_window(self._chunks, den)  # a host may change the window between calls
             req.stream = chunks.marks_for(self._chunks, params, req.height, req.width)
             opened = getattr(self._local, "session_opened", None)
             if opened is not None:
@@ -500,11 +501,28 @@ class Instrumentation:
             yield mark
         except BaseException as exc:
             mark.outcome = "closed" if getattr(exc, "stepwatch_outcome", None) == "cancelled" else "failed"
+            self._guarded("stream.session", self._session_oom, exc)
             raise
         finally:
             self._local.session_opened = None
             if stream is not None:
                 self._guarded("stream.session", stream.session_ended, mark.outcome, time.perf_counter() - opened)
+
+    def _session_oom(self, exc: BaseException) -> None:
+        """An out-of-memory the host raised for a session outside any call (its KV cache did not fit the host's
+        KV memory): counted with the stage and shape the exception names (``stepwatch_stage``,
+        ``stepwatch_shape``).  One raised inside a call was counted by that call."""
+        stage = getattr(exc, "stepwatch_stage", None)
+        if stage is None or not is_oom(exc):
+            return
+        shape = getattr(exc, "stepwatch_shape", None)
+        label = self.labeler.label(ShapeKey.parse(shape)) if shape else "other"
+        self.metrics.oom_total.labels(shape=label, stage=str(stage)).inc()
+
+    def set_stream_kv_capacity(self, capacity_bytes: int) -> None:
+        """The KV memory a host gives its chunked calls (``stepwatch_stream_kv_cache_capacity_bytes``)."""
+        if self._stream is not None:
+            self._stream.m.stream_kv_cache_capacity_bytes.set(max(0, int(capacity_bytes)))
 
     def _guarded(self, component: str, fn: Callable[..., Any], *args: Any) -> None:
         try:

@@ -110,7 +110,12 @@ class StreamConfig:
     steps: int = 4  # denoising steps per chunk (few-step flow-map sampling)
     max_steps: int = 16
     window_chunks: int = 3  # chunks the KV window keeps at full resolution (FAR's full_chunk_limit)
-    kv_cache: bool = True  # the pipeline's use_kv_cache: off, every chunk attends to nothing before it
+    kv_cache: bool = True  # the pipeline's use_kv_cache (off fails every call in this diffusers: refused)
+    # The KV memory of the worker's sessions together (a GPU server's KV pool; here a stand-in, as
+    # memory_budget_mb is for device memory): a session whose window does not fit what is free fails at its
+    # start with an out-of-memory of stage kv_cache.  1.25 MiB holds two of the largest default sessions
+    # (128x128 x 32 chunks, window 3: 516,096 bytes each by the KV ledger).
+    kv_capacity_mb: float = 1.25
     fps: int = 16
 
 
@@ -476,6 +481,9 @@ def _check_stream(cfg: ServiceConfig) -> None:
     st = cfg.stream
     _check_type(st.enabled, bool, "stream.enabled")
     _check_type(st.kv_cache, bool, "stream.kv_cache")
+    if not st.kv_cache:
+        raise ConfigError("stream.kv_cache: false is refused: AnyFlowFAR fails every call without its KV cache in "
+                          "this diffusers (the transformer returns one value where the pipeline unpacks two)")
     if st.model is not None and not (Path(st.model) / "model_index.json").is_file():
         raise ConfigError(f"stream.model: {st.model} is not a diffusers model directory (no model_index.json)")
     if not isinstance(st.sizes, list) or not st.sizes:
@@ -492,6 +500,9 @@ def _check_stream(cfg: ServiceConfig) -> None:
         raise ConfigError(f"stream.default_chunks: must be within 2..stream.max_chunks ({st.max_chunks})")
     if st.steps > st.max_steps:
         raise ConfigError(f"stream.steps: {st.steps} is above stream.max_steps {st.max_steps}")
+    _check_type(st.kv_capacity_mb, (int, float), "stream.kv_capacity_mb")
+    if st.kv_capacity_mb <= 0:
+        raise ConfigError("stream.kv_capacity_mb: must be > 0")
     _check_type(st.idle_timeout_seconds, (int, float), "stream.idle_timeout_seconds")
     if st.idle_timeout_seconds <= 0:
         raise ConfigError("stream.idle_timeout_seconds: must be > 0")

@@ -49,6 +49,7 @@ CODES = ("200", "429", "500", "503", "507")  # created at 0 per pool: a pool's f
 # count of label sets, so a knob set and restored, or a restart, reads as unchanged.
 OVERRIDABLE = ("cache", "cache_threshold", "vae_tiling", "compile", "attention_backend")
 VIDEO_OVERRIDABLE = ("video_cache", "video_decode_chunk_frames")  # with video jobs on
+STREAM_OVERRIDABLE = ("stream_window_chunks", "stream_steps")  # with streaming sessions on
 Answer = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, headers
 
 
@@ -249,7 +250,8 @@ class Service:
         self.worker.start()
 
     def _overridable(self) -> tuple[str, ...]:
-        return OVERRIDABLE + (VIDEO_OVERRIDABLE if self.cfg.video_active else ())
+        return (OVERRIDABLE + (VIDEO_OVERRIDABLE if self.cfg.video_active else ())
+                + (STREAM_OVERRIDABLE if self.cfg.stream_active else ()))
 
     def config_id(self) -> str:
         """The fingerprint plus every knob: changes with any runtime change (the fingerprint proper leaves out
@@ -531,7 +533,7 @@ class Service:
     def set_knobs(self, new: Any) -> dict[str, Any]:
         """Check the knobs, have the worker apply them, publish the new config; raises ApiError."""
         try:
-            knobs.validate(new, self.cfg.ranks, self.cfg.video_active)
+            knobs.validate(new, self.cfg.ranks, self.cfg.video_active, self.cfg.stream_active)
         except knobs.KnobError as e:
             raise api.ApiError(400, str(e), e.param, "invalid_knobs") from None
         if not self.ready:

@@ -18,8 +18,12 @@ KNOB_TYPES: dict[str, type | tuple[type, ...]] = {
     "rank_delay_seconds": dict, "baselines": dict, "drop_compiled_graphs": bool, "attention_backend": str,
     # the video pipeline's own (a distilled model should run without a cache) and its frame-chunked decode
     "video_cache": str, "video_cache_threshold": (int, float), "video_decode_chunk_frames": int,
+    # streaming sessions (service/stream_worker.py): from the next session on
+    "stream_window_chunks": int, "stream_steps": int, "stream_kv_cache": bool,
 }
 VIDEO_KNOBS = ("video_cache", "video_cache_threshold", "video_decode_chunk_frames")
+STREAM_KNOBS = ("stream_window_chunks", "stream_steps", "stream_kv_cache")
+MAX_STREAM_STEPS = 64
 # diffusers' attention dispatch backends the practice service accepts: "native" (PyTorch's SDPA picking its
 # kernel, the start-up value) and the forced SDPA kernels and flex.  A kernel the device cannot run is
 # accepted, as a deploy would be, and fails every generation with a non-OOM error (on CPU: cuDNN and
@@ -41,14 +45,15 @@ def finite_nonneg(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v)
 
 
-def validate(knobs: Any, ranks: int, video: bool = True) -> dict[str, Any]:
-    """``knobs`` if every knob is known, of its type and in range for a service of ``ranks`` ranks (``video``:
-    whether it serves video jobs, without which the video knobs are refused)."""
+def validate(knobs: Any, ranks: int, video: bool = True, stream: bool = False) -> dict[str, Any]:
+    """``knobs`` if every knob is known, of its type and in range for a service of ``ranks`` ranks (``video``,
+    ``stream``: whether it serves video jobs and streaming sessions, without which their knobs are refused)."""
     if not isinstance(knobs, dict) or not knobs:
         raise KnobError("expected a JSON object of knobs", None)
     for k, v in knobs.items():
         _check_type(k, v)
     _check_video(knobs, video)
+    _check_stream(knobs, stream)
     if "cache_threshold" in knobs and not finite_nonneg(knobs["cache_threshold"]):
         raise KnobError(f"cache_threshold must be a finite number >= 0, got {knobs['cache_threshold']}",
                         "cache_threshold")
@@ -75,6 +80,21 @@ def _check_video(knobs: dict[str, Any], video: bool) -> None:
     if "video_decode_chunk_frames" in knobs and knobs["video_decode_chunk_frames"] < 0:
         raise KnobError("video_decode_chunk_frames must be >= 0 (0: the whole clip in one decoder call)",
                         "video_decode_chunk_frames")
+
+
+def _check_stream(knobs: dict[str, Any], stream: bool) -> None:
+    named = [k for k in STREAM_KNOBS if k in knobs]
+    if named and not stream:
+        raise KnobError(f"{named[0]}: this service serves no streaming sessions", named[0])
+    if "stream_window_chunks" in knobs and knobs["stream_window_chunks"] < 2:
+        # FAR builds no attention mask for a window of one chunk (diffusers raises in torch.cat).
+        raise KnobError("stream_window_chunks must be >= 2", "stream_window_chunks")
+    if "stream_steps" in knobs and not 1 <= knobs["stream_steps"] <= MAX_STREAM_STEPS:
+        raise KnobError(f"stream_steps must be within 1..{MAX_STREAM_STEPS}", "stream_steps")
+    if knobs.get("stream_kv_cache") is False:
+        raise KnobError("stream_kv_cache: false is refused: AnyFlowFAR fails every call without its KV cache in "
+                        "this diffusers (the transformer returns one value where the pipeline unpacks two)",
+                        "stream_kv_cache")
 
 
 def baseline_shapes(baselines: dict[str, Any]) -> dict[str, Any]:

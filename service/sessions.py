@@ -81,7 +81,8 @@ def parse_request(body: Any, cfg: ServiceConfig) -> dict[str, Any]:
     w, h = parse_size(size)
     return {"prompt": prompt, "width": w, "height": h, "seed": _int(body, "seed", 0, 0, 2**32 - 1),
             "chunks": _int(body, "chunks", st.default_chunks, 2, st.max_chunks),
-            "steps": _int(body, "steps", st.steps, 1, st.max_steps)}
+            # None: the worker's default (the stream_steps knob)
+            "steps": None if body.get("steps") is None else _int(body, "steps", st.steps, 1, st.max_steps)}
 
 
 def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:

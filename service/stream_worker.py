@@ -31,7 +31,7 @@ import torch
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from stepwatch.exporter import instrument
+from stepwatch.exporter import chunks, instrument
 from stepwatch.exporter.memory import is_oom
 from stepwatch.service.config import StreamConfig
 from stepwatch.service.messages import (
@@ -46,6 +46,17 @@ from stepwatch.service.pipeline import build_pipeline, prompt_words
 
 log = logging.getLogger("stepwatch.service.worker")
 Send = Callable[[Any], None]
+
+
+class KvCacheFull(MemoryError):
+    """A session's KV window does not fit the KV memory its worker has free: an out-of-memory of stage kv_cache
+    (the exporter counts it as one; the session fails, the worker serves on)."""
+
+    stepwatch_stage = "kv_cache"
+
+    def __init__(self, message: str, shape: str) -> None:
+        super().__init__(message)
+        self.stepwatch_shape = shape
 
 
 class SessionClosed(Exception):
@@ -134,15 +145,34 @@ class StreamSessions:
         self.send = send
         self.text_tokens = text_tokens
         self.kv_cache = cfg.kv_cache
+        self.window = cfg.window_chunks  # knobs stream_window_chunks, stream_steps: from the next session on
+        self.steps = cfg.steps
         self.slots = [self._slot(registry, seed, device, dtype) for _ in range(cfg.max_sessions)]
+        self.capacity = int(cfg.kv_capacity_mb * 2**20)
+        self.reserved = 0  # KV bytes of the sessions running (the ledger's, reserved at each session's start)
+        self.slots[0].inst.set_stream_kv_capacity(self.capacity)
         self._lock = threading.Lock()
         self.sessions: dict[str, LiveSession] = {}
 
     def _slot(self, registry: CollectorRegistry, seed: int, device: str, dtype: str | None) -> Slot:
         pipe = build_pipeline("far", model=self.cfg.model, seed=seed, device=device, dtype=dtype)
-        pipe.transformer.register_to_config(full_chunk_limit=self.cfg.window_chunks)
-        inst = instrument(pipe, registry=registry, text_tokens=self.text_tokens, stream_fps=float(self.cfg.fps))
+        inst = instrument(pipe, registry=registry, text_tokens=self.text_tokens, stream_fps=float(self.cfg.fps),
+                          shapes=self.serving_shapes())
         return Slot(pipe, inst)
+
+    def serving_shapes(self) -> list[str]:
+        """The slots' shape allowlist: every stream size at the default chunks and steps (a session's frames vary
+        with its chunks; every other shape is ``other``, so session lengths never become label values)."""
+        frames = 1 + 4 * (sum(partition(self.cfg.default_chunks)) - 1)
+        return [f"{s}x{frames}_{self.cfg.steps}s" for s in self.cfg.sizes]
+
+    def apply_knobs(self, knobs: dict[str, Any]) -> dict[str, Any]:
+        """The stream knobs (checked by knobs.validate); they apply from the next session on."""
+        if "stream_window_chunks" in knobs:
+            self.window = int(knobs["stream_window_chunks"])
+        if "stream_steps" in knobs:
+            self.steps = int(knobs["stream_steps"])
+        return {"stream_window_chunks": self.window, "stream_steps": self.steps}
 
     def warm(self) -> None:
         """One short call per slot: the first call of a pipeline pays one-off costs a client must not see."""
@@ -150,7 +180,7 @@ class StreamSessions:
         for slot in self.slots:
             with slot.inst.warmup():
                 s = LiveSession("warm-up", {"prompt": "warm up", "seed": 0, "width": w, "height": h, "chunks": 2,
-                                            "steps": self.cfg.steps}, time.perf_counter(), slot)
+                                            "steps": None}, time.perf_counter(), slot)
                 self._call(s, deliver=False)
 
     # ----- the main thread's side -----------------------------------------------------------
@@ -219,6 +249,8 @@ class StreamSessions:
 
     def _call(self, s: LiveSession, deliver: bool) -> None:
         req, pipe = s.request, s.slot.pipe
+        pipe.transformer.register_to_config(full_chunk_limit=self.window)  # read once per call, at its allocation
+        steps = int(req.get("steps") or self.steps)
         chunks = int(req["chunks"])
         parts = partition(chunks)
         decoder = ChunkDecoder(pipe.vae)
@@ -236,14 +268,35 @@ class StreamSessions:
             return kw
 
         s.last_out = s.opened_at
+        demand = self._reserve(s, parts, steps)
         try:
             pipe(prompt_words(req["prompt"]), height=int(req["height"]), width=int(req["width"]),
-                 num_frames=1 + 4 * (sum(parts) - 1), num_inference_steps=int(req["steps"]), chunk_partition=parts,
+                 num_frames=1 + 4 * (sum(parts) - 1), num_inference_steps=steps, chunk_partition=parts,
                  output_type="latent", generator=torch.Generator().manual_seed(int(req["seed"])),
                  callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"],
                  max_sequence_length=self.text_tokens, use_kv_cache=self.kv_cache)
         finally:
+            with self._lock:
+                self.reserved -= demand
             decoder.close()
+
+    def _reserve(self, s: LiveSession, parts: list[int], steps: int) -> int:
+        """Reserve the session's KV bytes (the ledger's, for its window and geometry) or raise KvCacheFull."""
+        req, pipe = s.request, s.slot.pipe
+        w, h = int(req["width"]), int(req["height"])
+        model = chunks.model_for(pipe, pipe.transformer)
+        if model is None:
+            return 0
+        model = chunks.with_window(model, pipe.transformer)
+        demand = chunks.marks_for(model, {"chunk_partition": parts}, h, w).ledger_bytes
+        with self._lock:
+            free = self.capacity - self.reserved
+            if demand > free:
+                shape = f"{w}x{h}x{1 + 4 * (sum(parts) - 1)}_{steps}s"
+                raise KvCacheFull(f"KV cache out of memory: the session's window of {self.window} chunks at {w}x{h} "
+                                  f"needs {demand:,} bytes, {free:,} of {self.capacity:,} are free", shape)
+            self.reserved += demand
+        return demand
 
     def _deliver(self, s: LiveSession, frames: np.ndarray) -> None:
         now = time.perf_counter()
@@ -275,7 +328,9 @@ def _ack(id_: str, session: str, ok: bool, applies_from: int, message: str) -> S
 
 def _failure_message(exc: BaseException, s: LiveSession) -> str:
     r = s.request
+    if isinstance(exc, KvCacheFull):
+        return (f"{exc}; fix: a shorter window (the stream_window_chunks knob), fewer chunks or a smaller size, or "
+                "fewer sessions at once. The session failed at its start; the worker keeps serving.")
     return (f"out of memory streaming {r['width']}x{r['height']} x {r['chunks']} chunks after {s.delivered} "
-            f"chunks ({type(exc).__name__}): the session's KV cache or its chunk did not fit the worker's memory; "
-            "fix: a shorter window (stream.window_chunks), fewer chunks or a smaller size. The session failed; "
-            "the worker keeps serving.")
+            f"chunks ({type(exc).__name__}): a chunk did not fit the worker's memory; fix: a smaller size or a "
+            "shorter window (the stream_window_chunks knob). The session failed; the worker keeps serving.")

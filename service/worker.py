@@ -153,7 +153,8 @@ class Worker:
         self._setup_video(registry)
         self._setup_stream(registry)
         self.apply_knobs({"cache": cfg.cache.kind, "cache_threshold": cfg.cache.threshold,
-                          "vae_tiling": cfg.vae_tiling, "compile": cfg.compile.enabled, **self._video_knobs()},
+                          "vae_tiling": cfg.vae_tiling, "compile": cfg.compile.enabled, **self._video_knobs(),
+                          **self._stream_knobs()},
                          warm=False)
         warm = self.warmup() + self._warm_video()
         if self.sessions is not None:
@@ -186,6 +187,7 @@ class Worker:
         cfg = self.cfg
         self.sessions = StreamSessions(cfg.stream, registry, self.send, seed=cfg.seed, device=cfg.device,
                                        dtype=cfg.dtype, text_tokens=cfg.text_tokens)
+        self._weights += "+" + weights_digest(self.sessions.slots[0].pipe)  # every slot holds the same weights
 
     def _few_step_max(self) -> int:
         from stepwatch.alerts.thresholds import load
@@ -198,6 +200,10 @@ class Worker:
             return {}
         return {"video_cache": v.cache.kind, "video_cache_threshold": v.cache.threshold,
                 "video_decode_chunk_frames": v.decode_chunk_frames}
+
+    def _stream_knobs(self) -> dict[str, Any]:
+        st = self.cfg.stream
+        return {"stream_window_chunks": st.window_chunks, "stream_steps": st.steps} if self.sessions else {}
 
     def _warm_video(self) -> list[WarmupRun]:
         """One default job (twice: the second is the steady state the queue's predictor starts from)."""
@@ -291,6 +297,8 @@ class Worker:
                     (p.vae.enable_tiling if knobs["vae_tiling"] else p.vae.disable_tiling)()
             self.knobs["vae_tiling"] = bool(knobs["vae_tiling"])
         self._apply_video_knobs(knobs)
+        if self.sessions is not None:
+            self.knobs.update(self.sessions.apply_knobs(knobs))
         if "compile" in knobs and bool(knobs["compile"]) != self.compile_active:
             self._set_compile(bool(knobs["compile"]))
             self.knobs["compile"] = self.compile_active
@@ -554,7 +562,7 @@ class Worker:
                 msg: ToWorker = self.conn.recv()
             except (EOFError, OSError):
                 msg = {"op": "shutdown"}
-            refused = _refusal(msg, self.world, self.video_pipe is not None)
+            refused = _refusal(msg, self.world, self.video_pipe is not None, self.sessions is not None)
             if refused is not None:
                 self.send(refused)
                 continue
@@ -602,12 +610,12 @@ class Worker:
                     "message": traceback.format_exc(limit=3)[-600:]}
 
 
-def _refusal(msg: ToWorker, world: int, video: bool) -> ErrorMsg | None:
+def _refusal(msg: ToWorker, world: int, video: bool, stream: bool) -> ErrorMsg | None:
     """The answer to knobs that fail the shared validation (before any rank applies them), else None."""
     if msg["op"] != "knobs":
         return None
     try:
-        knob_rules.validate(msg["knobs"], world, video)
+        knob_rules.validate(msg["knobs"], world, video, stream)
     except knob_rules.KnobError as e:
         return {"op": "error", "id": msg["id"], "kind": "invalid", "message": str(e), "param": e.param}
     return None

@@ -200,6 +200,9 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_stream_kv_window_tokens", "gauge",
        "Tokens the KV window of the last chunked call holds (full-resolution chunks plus compressed older ones).",
        (), "stream"),
+    _m("stepwatch_stream_kv_cache_capacity_bytes", "gauge",
+       "KV memory the host gives its chunked calls (a KV pool: a session whose window does not fit fails with an "
+       "out-of-memory of stage kv_cache); 0 when the host sets none.", (), "stream"),
     _m("stepwatch_stream_steps_total", "counter",
        "Denoising steps of chunked calls; over the chunk-latency histogram's count: steps per chunk.",
        (), "stream"),

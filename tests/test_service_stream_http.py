@@ -95,6 +95,7 @@ def test_streaming_sessions_over_http(tmp_path: Path) -> None:
             assert before["kv"] == 0 and before["active"] == 0 and before["chunks"] == 0
             _first_chunk_matches_the_client(svc, client, before)
             _two_sessions_a_change_a_close_and_a_refusal(svc, client)
+            _a_window_past_the_kv_memory_fails_that_session(svc, client)
         assert_lint_clean(svc.get("/metrics")[1], "the service with streaming sessions")
     finally:
         svc.close()
@@ -144,6 +145,30 @@ def _two_sessions_a_change_a_close_and_a_refusal(svc: ServiceProc, client: httpx
     assert after["done"] - before["done"] == 1 and after["closed"] - before["closed"] == 1
     assert after["failed"] == before["failed"]
     assert after["kv"] == 0 and after["ledger"] == 0 and after["active"] == 0  # the KV cache left with the calls
+
+
+def _a_window_past_the_kv_memory_fails_that_session(svc: ServiceProc, client: httpx.Client) -> None:
+    """Window 32 at 128x128 x 32 chunks needs 1,585,152 KV bytes by the ledger, past the 1.25 MiB the worker
+    gives its sessions: that session fails at once as an out-of-memory of stage kv_cache; the next one runs."""
+    status, answer, _ = svc.knobs(stream_kv_cache=False)
+    assert status == 400 and answer["error"]["param"] == "stream_kv_cache", answer
+    status, answer, _ = svc.knobs(stream_window_chunks=32)
+    assert status == 200 and answer["knobs"]["stream_window_chunks"] == 32, answer
+    m = svc.metrics()
+    assert value(m, "stepwatch_service_knob_override_active", knob="stream_window_chunks") == 1
+    assert value(m, "stepwatch_stream_kv_cache_capacity_bytes") == 1.25 * 2**20
+    big = Seen()
+    run_session(client, svc.url, {"prompt": "a long take", "size": "128x128", "chunks": 32}, big)
+    assert big.status == 200 and big.chunks == [], big
+    assert big.end["outcome"] == "failed" and big.end["reason"] == "oom", big.end
+    assert "KV cache out of memory" in big.end["message"] and "1,585,152" in big.end["message"], big.end
+    assert "stream_window_chunks" in big.end["message"]  # the fix
+    assert total(svc.metrics(), "stepwatch_oom_total", stage="kv_cache") == 1
+    svc.knobs(stream_window_chunks=3)
+    after = Seen()
+    run_session(client, svc.url, {"prompt": "a long take", "size": "128x128", "chunks": 4}, after)
+    assert after.end["outcome"] == "done" and len(after.chunks) == 4, after.end
+    assert value(svc.metrics(), "stepwatch_stream_sessions_total", outcome="failed") == 1
 
 
 def _settled(svc: ServiceProc, before: dict[str, float], timeout: float = 10) -> dict[str, float]:
