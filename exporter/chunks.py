@@ -162,6 +162,7 @@ class StreamMarks:
     outs: list[Any]
     kv: list[KvReading]
     lead_seconds: float = 0.0  # a session's open to this call's start (Instrumentation.stream_session)
+    published: int = 0  # chunks already on the series (as their frames came out, while the call runs)
 
 
 @dataclass
@@ -195,6 +196,20 @@ def marks_for(model: ChunkModel, params: dict[str, Any], height: int | None, wid
     window = model.window_tokens(h, w, partition) if h and w else 0
     return StreamMarks(partition=partition, batch=batch, height=h, width=w, window_tokens=window,
                        ledger_bytes=model.kv_bytes(window, model.element_bytes, batch), starts=[], outs=[], kv=[])
+
+
+def ready_chunks(model: ChunkModel, marks: StreamMarks, seconds: Any, start: Any,
+                 ready: Any) -> list[tuple[int, float, int]]:
+    """(index, latency, frames) of every chunk whose frames are out and not yet published, up to the first mark
+    the clock cannot read yet (a CUDA event still pending): what a running call publishes chunk by chunk."""
+    out = []
+    frames = model.chunk_frames(marks.partition)
+    while marks.published < len(marks.outs) and ready(marks.outs[marks.published]):
+        i = marks.published
+        prev = start if i == 0 else marks.outs[i - 1]
+        out.append((i, seconds(prev, marks.outs[i]), frames[i] if i < len(frames) else 0))
+        marks.published += 1
+    return out
 
 
 def in_use_bytes(model: ChunkModel, marks: StreamMarks, reading: KvReading) -> int:
@@ -293,15 +308,22 @@ class StreamPublisher:
         self._in_use.set(sum(v[1] for v in values))
         self.m.stream_kv_cache_ledger_bytes.set(sum(v[2] for v in values))
 
-    def publish(self, r: StreamReport) -> None:
+    def chunk(self, index: int, seconds: float, frames: int, fps: float, lead: float = 0.0) -> None:
+        """One chunk's latency (chunk 0: from the call's start, plus the session's lead for the first-chunk
+        series) and, after the first, its real-time factor."""
         m = self.m
-        if r.first_chunk_seconds is not None:
-            m.stream_first_chunk_seconds.observe(r.first_chunk_seconds)
-        for i, seconds in enumerate(r.chunk_seconds):
-            m.stream_chunk_duration_seconds.observe(seconds)
-            self._by_index[index_range(i)].observe(seconds)
-        for f in r.realtime_factors:
-            m.stream_realtime_factor_ratio.observe(f)
+        if index == 0:
+            m.stream_first_chunk_seconds.observe(seconds + lead)
+        m.stream_chunk_duration_seconds.observe(seconds)
+        self._by_index[index_range(index)].observe(seconds)
+        if index > 0 and frames > 0 and fps > 0:
+            m.stream_realtime_factor_ratio.observe(seconds / (frames / fps))
+
+    def publish(self, r: StreamReport, from_index: int = 0) -> None:
+        """A call's end: its chunks not yet published as they came out, its steps and its window."""
+        m = self.m
+        for i in range(from_index, len(r.chunk_seconds)):
+            self.chunk(i, r.chunk_seconds[i], r.chunk_frames[i], r.fps, r.lead_seconds)
         if r.steps:
             m.stream_steps_total.inc(r.steps)
         if r.window_tokens:

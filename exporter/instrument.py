@@ -469,6 +469,10 @@ class Instrumentation:
         stream.kv.append(reading)
         if self._stream is not None and model is not None:
             self._stream.live(id(stream), allocated, chunks.in_use_bytes(model, stream, reading), stream.ledger_bytes)
+            if self.phase == "serving":  # a session's chunks show while it runs, not only at its end
+                for index, seconds, frames in chunks.ready_chunks(model, stream, self.clock.seconds, req.start,
+                                                                  self.clock.ready):
+                    self._stream.chunk(index, seconds, frames, self.options.stream_fps, stream.lead_seconds)
 
     def _emit_stream(self, req: RequestMarks, report: RequestReport) -> None:
         """A chunked call's chunk latencies, real-time factors and KV reading, into its report and the series."""
@@ -478,7 +482,7 @@ class Instrumentation:
         report.stream = chunks.resolve(self._chunks, req.stream, self.clock.seconds, req.start, last_out,
                                        self.options.stream_fps, len(report.step_seconds))
         if report.stream is not None:
-            self._stream.publish(report.stream)
+            self._stream.publish(report.stream, req.stream.published)
 
     @contextlib.contextmanager
     def stream_session(self, opened_at: float | None = None) -> Iterator[SessionMark]:

@@ -59,6 +59,7 @@ def test_chunks_are_timed_and_published_once_each(far: Any) -> None:
         text = scrape(reg)
         for state in ("allocated", "in_use"):
             seen[state] = max(seen.get(state, 0.0), value(text, "stepwatch_stream_kv_cache_bytes", state=state))
+        seen["chunks_mid_call"] = value(text, "stepwatch_stream_chunk_duration_seconds_count")
         return kw
 
     try:
@@ -70,6 +71,7 @@ def test_chunks_are_timed_and_published_once_each(far: Any) -> None:
         assert s.realtime_factors[0] == pytest.approx(s.chunk_seconds[1] / (8 / chunks.DEFAULT_FPS))
         assert sum(s.chunk_seconds) <= inst.last_report.seconds
         text = scrape(reg)
+        assert seen["chunks_mid_call"] == 3  # in the last chunk's steps: the first three already on the series
         assert value(text, "stepwatch_stream_chunk_duration_seconds_count") == 4
         assert value(text, "stepwatch_stream_first_chunk_seconds_count") == 1
         assert value(text, "stepwatch_stream_first_chunk_seconds_sum") == pytest.approx(s.chunk_seconds[0])
