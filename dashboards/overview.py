@@ -540,11 +540,14 @@ def stream_row(b: Board) -> None:
         rising with the index = a window or cache that keeps growing.""", "s",
         [T(ratio_of_rates(sel(f"{by_index}_sum", INST), sel(f"{by_index}_count", INST), RATE,
                           "job, instance, chunk_index"), "chunks {{chunk_index}} @ {{instance}}")], min_=0)
+    stall = b.th.alert("stream_stalling")
     b.timeseries(
-        "Real-time factor (chunk generation / playback)", """A chunk's generation seconds over the seconds
-        its frames play (p50, p99). Healthy: below 1; above 1 the viewer waits and the stream stalls.""", "none",
+        stall.panel, f"""A chunk's generation seconds over the seconds its frames play (p50, p99). Healthy: below
+        1 (the red line); above 1 the viewer waits and the stream stalls. {stall.name} fires when more than
+        {pct(stall.threshold)} of the chunks are above 1 (at 50%: the p50 above the line).""", "none",
         [T(quantile(0.5, rtf, RATE, "job, instance"), "p50 @ {{instance}}"),
-         T(quantile(0.99, rtf, RATE, "job, instance"), "p99 @ {{instance}}")], min_=0)
+         T(quantile(0.99, rtf, RATE, "job, instance"), "p99 @ {{instance}}")],
+        alerts=["stream_stalling"], lines=[(1.0, RED)], min_=0)
     b.timeseries(
         "KV cache bytes vs the ledger", """KV cache of the sessions in flight on each worker, read from the
         pipeline's cache tensors (allocated, and the share the encoded chunks fill), next to the ledger's

@@ -122,14 +122,10 @@ class Campaign:
         try:
             runner = Runner(stack, self.th, self.progress, self.triage)
             runner.record = self.record
-            self.progress("baseline traffic to calibrate per-shape baselines (step time, cache hit rate)")
-            with stack.traffic(concurrency=2):
-                runner.baselines = calibrate(stack, self.th, self.progress)
-                if self.record is not None:
-                    self.record.controls(stack, key, self.progress, runner.baselines)
-                    # The restarted service has run a control's window: measured again, for the drills (another
-                    # process of the same deployment may run at another speed on a shared host).
-                    runner.baselines = calibrate_baselines(stack, self.progress, self.th)
+            if self.record is None and not any(DRILLS[n].reads_baselines for n in group):
+                self.progress("no drill of this stack reads per-shape baselines: no calibration")
+            else:
+                self._calibrate(stack, key, runner)
             for n in group:
                 self.results.append(runner.run(DRILLS[n](self.th, variant=self.variant)))
             self.stacks.append({"ranks": ranks, "backend": backend or None, "service": stack.service_url,
@@ -139,3 +135,14 @@ class Campaign:
                          progress=self.progress, stacks=self.stacks)
         finally:
             stack.stop()
+
+    def _calibrate(self, stack: LocalStack, key: StackKey, runner: Runner) -> None:
+        """Per-shape baselines from steady traffic (and, when recording, the controls' windows)."""
+        self.progress("baseline traffic to calibrate per-shape baselines (step time, cache hit rate)")
+        with stack.traffic(concurrency=2):
+            runner.baselines = calibrate(stack, self.th, self.progress)
+            if self.record is not None:
+                self.record.controls(stack, key, self.progress, runner.baselines)
+                # The restarted service has run a control's window: measured again, for the drills (another
+                # process of the same deployment may run at another speed on a shared host).
+                runner.baselines = calibrate_baselines(stack, self.progress, self.th)

@@ -113,6 +113,9 @@ class Drill:
     companions: tuple[str, ...] = ()  # thresholds keys of alerts that may fire with it
     silent: tuple[str, ...] = ()  # thresholds keys that must NOT fire
     needs_ranks = 1
+    # Whether its alerts or its triage read the calibrated per-shape baselines: a stack whose drills all say no
+    # skips the calibration (70 s of steady traffic; each drill still waits for its own steady traffic).
+    reads_baselines = True
     health_turns_red = False  # the fault itself makes /readyz (or /healthz) fail: checked, not a failure
     # Answers the baseline traffic may get while the fault is in (runbooks/drills.md: every request that is not
     # the fault's own answers 200); a drill whose fault is the whole service widens it and says why.
@@ -359,6 +362,7 @@ class QueueOverload(Drill):
 
 class Straggler(Drill):
     name = "straggler"
+    reads_baselines = False  # rank skew and the stall read no per-shape baseline
     doc_id = "straggler_rank"
     companions = ("step_time_regression",)
     needs_ranks = 2
@@ -406,6 +410,7 @@ def start_neighbours(cpus: list[int], per_cpu: int) -> list[subprocess.Popen[byt
 
 class StragglerNeighbour(Drill):
     name = "straggler-neighbour"
+    reads_baselines = False  # rank skew and the stall read no per-shape baseline
     doc_id = "straggler_neighbour"
     companions = ("step_time_regression", "queue_wait", "probe_failing")
     needs_ranks = 2
@@ -441,6 +446,7 @@ class StragglerNeighbour(Drill):
 
 class WorkerStall(Drill):
     name = "worker-stall"
+    reads_baselines = False  # rank skew and the stall read no per-shape baseline
     doc_id = "worker_stall"
     companions = ("probe_failing", "error_ratio", "queue_wait", "step_time_regression")
     needs_ranks = 2

@@ -86,6 +86,7 @@ class CacheOff(KnobFault):
 
 
 class StragglerStepTime(Straggler):
+    reads_baselines = True  # the step-time alert is against the calibrated baseline
     name = "straggler-step-time"
     doc_id = "straggler_step_time"
     companions = ("rank_skew",)

@@ -63,6 +63,7 @@ DRILL_SERVICE: dict[str, Any] = {
     "other_pool": {"slo_seconds": 60, "max_wait_seconds": 120},
     "admin_token": ADMIN_TOKEN,
     "thresholds_profile": "drill",  # the stall limit of the rules this stack's Prometheus runs
+    "stream": {"enabled": True},  # streaming sessions (ignored with two ranks): the stream drills' service
 }
 
 

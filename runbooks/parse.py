@@ -77,6 +77,11 @@ CAUSES: dict[str, str] = {
     "collective_hang": "a rank waits in a collective the other ranks never enter (ranks that disagree, a rank "
                        "stuck or gone)",
     "pipeline_exception": "the pipeline raised errors that are not OOMs",
+    "stream_steps_raised": "streaming sessions run more steps per chunk than real time allows",
+    "stream_window_long": "the streaming KV window was made longer: every chunk attends to more tokens",
+    "kv_window_too_long": "a streaming session's KV window does not fit the KV memory (the window was raised)",
+    "kv_memory_full": "the streaming sessions' KV caches together need more than the KV memory (too many or too "
+                      "large sessions)",
     "target_unreachable": "the probed service cannot be reached",
     "baseline_missing": "the quality baseline did not load (missing files, bad checksum)",
     "process_down": "the scraped process is down or hangs while its host is up",

@@ -175,13 +175,18 @@ class StreamSessions:
         return {"stream_window_chunks": self.window, "stream_steps": self.steps}
 
     def warm(self) -> None:
-        """One short call per slot: the first call of a pipeline pays one-off costs a client must not see."""
-        w, h = (int(v) for v in self.cfg.default_size.split("x"))
+        """Short calls per slot: the first call of a pipeline pays one-off costs a client must not see, and FAR's
+        attention masks go through torch.compile inside diffusers' flex attention, which compiles again when the
+        size and when the number of chunks first change (then with those dimensions dynamic).  Each stream size
+        at 2 chunks and at 3 covers both; a session shape first served live would page as a serving recompile."""
         for slot in self.slots:
             with slot.inst.warmup():
-                s = LiveSession("warm-up", {"prompt": "warm up", "seed": 0, "width": w, "height": h, "chunks": 2,
-                                            "steps": None}, time.perf_counter(), slot)
-                self._call(s, deliver=False)
+                for size in self.cfg.sizes:
+                    w, h = (int(v) for v in size.split("x"))
+                    for chunks in (2, 3):
+                        s = LiveSession("warm-up", {"prompt": "warm up", "seed": 0, "width": w, "height": h,
+                                                    "chunks": chunks, "steps": None}, time.perf_counter(), slot)
+                        self._call(s, deliver=False)
 
     # ----- the main thread's side -----------------------------------------------------------
     def open(self, msg: SessionMsg) -> ErrorMsg | None:
@@ -249,10 +254,11 @@ class StreamSessions:
 
     def _call(self, s: LiveSession, deliver: bool) -> None:
         req, pipe = s.request, s.slot.pipe
-        pipe.transformer.register_to_config(full_chunk_limit=self.window)  # read once per call, at its allocation
         steps = int(req.get("steps") or self.steps)
-        chunks = int(req["chunks"])
-        parts = partition(chunks)
+        parts = partition(int(req["chunks"]))
+        # Read once per call, at its allocation; FAR sizes the older chunks' cache as chunks - window + 1, so a
+        # window longer than the session is the whole session at full resolution.
+        pipe.transformer.register_to_config(full_chunk_limit=min(self.window, len(parts)))
         decoder = ChunkDecoder(pipe.vae)
         last = {"steps": 0}
 

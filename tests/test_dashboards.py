@@ -380,16 +380,6 @@ IMAGE_PROBES_ONLY = {
     ("Probe PSNR worst frame vs gate, video sets", "A"): "an image probe set: no video set",
     ("Probe PSNR worst frame vs gate, video sets", "B"): "an image probe set: no video set",
 }
-# The streaming row reads stepwatch_stream_*, which exist only on a worker that runs a chunked autoregressive
-# pipeline; the practice service serves none yet (its session API is issue 15's next part).  Their values are
-# proven on the instrumented pipeline itself (tests/test_exporter_chunks.py).
-NO_STREAMING_HERE = {
-    (title, ref): "no chunked pipeline on the practice stack"
-    for title, refs in {"First-chunk and chunk latency (streaming)": "ABC", "Chunk latency by chunk index": "A",
-                        "Real-time factor (chunk generation / playback)": "AB",
-                        "KV cache bytes vs the ledger": "AB"}.items()
-    for ref in refs
-}
 # Rank metrics exist only in two-rank mode: test_live_rank_panels proves these on a two-rank stack.
 SINGLE_RANK_EMPTY = {
     ("Per-rank step time vs fastest rank", "A"): "one rank",
@@ -468,6 +458,7 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         status, body, _ = st.generate(size="384x384")  # not warmed up: a serving recompile
         assert status == 200, body
         _video_job_with_a_cache(st)
+        _two_sessions(st)
         # The job's hits reach Prometheus through the worker, the service and a scrape: on a loaded host more
         # than the two scrapes below (the few-step panel came back empty once in a clean-clone run).
         _wait_for_series(st.prom, "stepwatch_cache_few_step_hits_total", timeout=60)
@@ -497,6 +488,16 @@ def _video_job_with_a_cache(st: Any) -> None:
     assert job["status"] == "succeeded" and job["stepwatch"]["cache"]["hits"] > 0, job
 
 
+def _two_sessions(st: Any) -> None:
+    """Two streaming sessions (the drill stack serves them): the streaming row's chunk, real-time-factor and KV
+    panels get their data."""
+    from stepwatch.fault_injection.stream_drills import run_session
+
+    for chunks in (4, 6):
+        seen = run_session(st.service_url, size="64x64", chunks=chunks)
+        assert seen["outcome"] == "done" and seen["chunks"] == chunks, seen
+
+
 @pytest.mark.heavy
 def test_live_every_panel_query_returns_data(live_stack: Any, overview: dict[str, Any], th: Thresholds) -> None:
     st = live_stack
@@ -504,7 +505,7 @@ def test_live_every_panel_query_returns_data(live_stack: Any, overview: dict[str
     results = run_panel_queries(st.prom, committed, st.started, st.end)
     empty = {k for k, v in results.items() if not v}
     allowed = (set(CPU_ONLY_EMPTY) | set(NEVER_HAPPENS_HERE) | set(SINGLE_RANK_EMPTY) | set(IMAGE_PROBES_ONLY)
-               | set(NO_STREAMING_HERE))
+               )
     assert empty - allowed == set(), f"queries without data: {sorted(empty - allowed)}"
     assert allowed - empty == set(), f"allowlisted but now have data (remove them): {sorted(allowed - empty)}"
 
@@ -519,6 +520,10 @@ def test_live_every_panel_query_returns_data(live_stack: Any, overview: dict[str
     mp = th.alert("memory_pressure")
     assert peak(results[(mp.panel, "A")]) > mp.threshold
     assert peak(results[(f"Requests above {promql.pct(mp.threshold)} of memory", "A")]) > 0.5
+    # The two sessions: first chunks, chunk ranges 0 and 1, real-time factors below 1 on the tiny model.
+    assert peak(results[("First-chunk and chunk latency (streaming)", "A")]) > 0
+    assert {labels["chunk_index"] for labels, _ in results[("Chunk latency by chunk index", "A")]} >= {"0", "1", "2-3"}
+    assert 0 < peak(results[(th.alert("stream_stalling").panel, "A")]) < 1
     firing = {labels["alertname"] for labels, _ in results[("Firing stepwatch alerts", "A")]}
     assert {"StepwatchOutOfMemory", "StepwatchServingRecompile", "StepwatchMemoryPressure"} <= firing
     # Baselines, bands and the quality gate are real lines next to real data.

@@ -254,7 +254,9 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       "worker_freeze", "cpu_contention", "sidecar_killed", "host_down", "gpu_throttle",
                                       "shape_too_large",
                                       # video jobs and few-step serving
-                                      "video_vae_untiled", "cache_on_distilled"]
+                                      "video_vae_untiled", "cache_on_distilled",
+                                      # streaming sessions
+                                      "stream_stall", "kv_window_too_long"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:

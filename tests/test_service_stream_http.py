@@ -96,6 +96,8 @@ def test_streaming_sessions_over_http(tmp_path: Path) -> None:
             _first_chunk_matches_the_client(svc, client, before)
             _two_sessions_a_change_a_close_and_a_refusal(svc, client)
             _a_window_past_the_kv_memory_fails_that_session(svc, client)
+        m = svc.metrics()
+        assert total(m, "stepwatch_compile_total", phase="serving") == 0  # both stream sizes were warmed up
         assert_lint_clean(svc.get("/metrics")[1], "the service with streaming sessions")
     finally:
         svc.close()

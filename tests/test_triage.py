@@ -42,6 +42,11 @@ from tests.servicefixture import free_port
 TH = load()
 
 
+# What Prometheus answers for the OOM runbook's kv_stage check of an alert of another stage (two different
+# stage matchers): nothing.  First in a rule list, before the alert's own stage's rule, which would match too.
+KV_STAGE_EMPTY: tuple[str, float | None] = (r'stage="kv_cache"', None)
+
+
 class StubProm:
     """Answers a query with the value of the first rule whose pattern it matches (no match: no samples).
 
@@ -131,6 +136,7 @@ def test_straggler_alerts_share_one_incident_with_evidence() -> None:
 def test_oom_and_memory_pressure_group_and_error_ratio_joins_them() -> None:
     rules: list[tuple[str, float | None]] = [
         (r'stage="vae_decode".*/ on \(\)', 3.5),  # memory-pressure #1: the decode peak over the denoise peak
+        KV_STAGE_EMPTY,
         (r'stepwatch_oom_total.*stage="vae_decode"', 1.0),
         (r'vae_tiling=~', 1.0),
         (r'code="507"', 1.0),
@@ -659,8 +665,28 @@ def test_a_warmed_resolution_recompiling_is_an_eviction() -> None:
 @pytest.mark.parametrize(("tiling_off", "cause"), [(1.0, "vae_tiling_off"), (None, "shape_too_large")])
 def test_oom_rivals(tiling_off: float | None, cause: str) -> None:
     oom = _alert("oom", instance="127.0.0.1:8000", shape="2048x2048_1s", stage="vae_decode")
-    prom = StubProm([(r'stepwatch_oom_total.*stage="vae_decode"', 1.0), (r"vae_tiling=~", tiling_off)])
+    prom = StubProm([KV_STAGE_EMPTY, (r'stepwatch_oom_total.*stage="vae_decode"', 1.0), (r"vae_tiling=~", tiling_off)])
     assert triage([oom], prom, thresholds=TH).incidents[0].primary.cause == cause
+
+
+@pytest.mark.parametrize(("window_raised", "cause"), [(1.0, "kv_window_too_long"), (0.0, "kv_memory_full")])
+def test_a_session_kv_cache_that_does_not_fit(window_raised: float, cause: str) -> None:
+    """An OOM of stage kv_cache: the window knob raised, or the sessions together past the KV memory."""
+    oom = _alert("oom", instance="127.0.0.1:8000", shape="other", stage="kv_cache")
+    prom = StubProm([(r'stepwatch_oom_total.*stage="kv_cache"', 1.0), (r'knob="stream_window_chunks"', window_raised),
+                     (r"vae_tiling=~", 1.0)])
+    d = triage([oom], prom, thresholds=TH).incidents[0].primary
+    assert d.cause == cause and d.path[:2] == ["kv_stage", "kv_window"]
+
+
+@pytest.mark.parametrize(("steps", "window", "cpu_wait", "cause"), [
+    (1.0, 0.0, 0.0, "stream_steps_raised"), (0.0, 1.0, 0.0, "stream_window_long"),
+    (0.0, 0.0, 0.9, "cpu_contention"), (0.0, 0.0, 0.1, None)])
+def test_stream_stalling_rivals(steps: float, window: float, cpu_wait: float, cause: str | None) -> None:
+    stall = _alert("stream_stalling", instance="127.0.0.1:8000")
+    prom = StubProm([(r'knob="stream_steps"', steps), (r'knob="stream_window_chunks"', window),
+                     (r"cpu_wait_seconds_total", cpu_wait)])
+    assert triage([stall], prom, thresholds=TH).incidents[0].primary.cause == cause
 
 
 def test_probe_timeouts_behind_a_rewarm_are_the_knob_not_the_queue() -> None:

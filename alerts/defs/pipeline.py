@@ -19,10 +19,11 @@ from stepwatch.alerts.defs.base import (
     events_case,
     jump,
     need_window,
+    pending,
     ramp,
     rate_window,
 )
-from stepwatch.alerts.promql import above_bucket, events, num, over_positive
+from stepwatch.alerts.promql import above_bucket, events, num, over_positive, sel, sum_increase
 from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError
 from stepwatch.catalog import MEMORY_RATIO_BUCKETS
 
@@ -177,6 +178,32 @@ def _oom_cases(p: Timing) -> list[Case]:
                         {"shape": "2048x2048_8s", "stage": "vae_decode"}, {"shape": "other", "stage": "vae_decode"})]
 
 
+# ----- streaming: chunks slower than real time ------------------------------------------------
+
+RTF = "stepwatch_stream_realtime_factor_ratio"
+
+
+def _stream_stall_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    """Share of chunks whose real-time factor is above 1 (1.0 is a bucket bound of the histogram)."""
+    w = rate_window(th, profile)
+    over = above_bucket(RTF, "1.0", w, "job, instance")
+    chunks = sum_increase(sel(f"{RTF}_count"), w, "job, instance")
+    return f"(\n{over}\n)\n/ on (job, instance)\n  ({chunks} > 0)\n> {num(spec.threshold)}"
+
+
+def _stream_stall_cases(p: Timing) -> list[Case]:
+    fire = p.s + p.F  # increase() needs two samples
+    n = p.n(fire + p.s)
+    series = []
+    # (instance, chunks per scrape, of which at most real time): I1 3 of 4 over (0.75), I2 1 of 4 over (0.25)
+    for inst, under in ((I1, 1), (I2, 3)):
+        lab = {"job": SVC, "instance": inst}
+        series += [Series(f"{RTF}_count", lab, ramp(4, n)),
+                   Series(f"{RTF}_bucket", {**lab, "le": "1.0"}, ramp(under, n))]
+    return [Case(p.spec.key, "3 of 4 chunks over real time fires; 1 of 4 does not", series,
+                 [pending(p), Expect(fire, [({"job": SVC, "instance": I1}, 0.75)])])]
+
+
 # ----- cache on a distilled (few-step) model ---------------------------------------------------
 
 def _distilled_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
@@ -199,4 +226,5 @@ ALERTS = (
     AlertDef("rank_skew", _rank_expr, ("instance", "rank"), _rank_cases, rate_based=True),
     AlertDef("oom", _oom_expr, ("instance", "shape", "stage"), _oom_cases, explains=("out_of_memory",)),
     AlertDef("cache_on_distilled", _distilled_expr, ("instance", "shape", "cache"), _distilled_cases),
+    AlertDef("stream_stalling", _stream_stall_expr, ("instance",), _stream_stall_cases, rate_based=True),
 )

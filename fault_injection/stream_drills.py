@@ -1,0 +1,162 @@
+"""Drills on the practice service's streaming sessions: chunks slower than real time, a KV window past memory.
+
+Both run on the one-rank drill stack (streaming is on there) while its image traffic goes on: every image
+request must still be answered.  Their blocks are in runbooks/drills.md ("Streaming sessions"); the sessions
+go through the public API (``POST /v1/stream/sessions``, server-sent events), as a viewer's player would.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from stepwatch import httpclient
+from stepwatch.fault_injection.drills import Drill, DrillResult
+from stepwatch.fault_injection.stack import LocalStack
+
+SESSION_TIMEOUT_S = 300.0
+
+
+def run_session(service_url: str, **body: Any) -> dict[str, Any]:
+    """Open a session and read its events to the end: what the viewer saw (status, chunks, each chunk's
+    ``seconds``, the time to the first frames) and the ``end`` event's outcome, reason and message."""
+    body.setdefault("prompt", "a kite over a grey sea")
+    seen: dict[str, Any] = {"status": 0, "chunks": 0, "chunk_seconds": [], "first_frames_s": None}
+    t0 = time.perf_counter()
+    with httpclient.client(timeout=SESSION_TIMEOUT_S) as c, \
+            c.stream("POST", service_url + "/v1/stream/sessions", json=body) as r:
+        seen["status"] = r.status_code
+        if r.status_code != 200:
+            r.read()
+            seen["error"] = r.text[:500]
+            return seen
+        kind = ""
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[len("event: "):]
+            elif line.startswith("data: "):
+                _take(seen, kind, json.loads(line[len("data: "):]), t0)
+    return seen
+
+
+def _take(seen: dict[str, Any], kind: str, data: dict[str, Any], t0: float) -> None:
+    if kind == "chunk":
+        if seen["first_frames_s"] is None:
+            seen["first_frames_s"] = time.perf_counter() - t0
+        seen["chunks"] += 1
+        seen["chunk_seconds"].append(float(data["seconds"]))
+    elif kind == "end":
+        seen.update({k: data.get(k) for k in ("outcome", "reason", "message")})
+        seen["delivered"] = data.get("chunks")
+
+
+class SessionLoop:
+    """Sessions one after another on a thread (a viewer that reconnects), until stopped."""
+
+    def __init__(self, stack: LocalStack, body: dict[str, Any]) -> None:
+        self.stack, self.body = stack, body
+        self.outcomes: dict[str, int] = {}
+        self.chunk_seconds: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="stepwatch-sessions")
+
+    def start(self) -> SessionLoop:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                seen = run_session(self.stack.service_url, **self.body)
+                outcome = str(seen.get("outcome") or f"http_{seen['status']}")
+                self.chunk_seconds += seen["chunk_seconds"]
+            except Exception as e:  # recorded; the drill judges by it
+                self.errors.append(f"{type(e).__name__}: {e}")
+                outcome = "error"
+                self._stop.wait(1.0)
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=SESSION_TIMEOUT_S)
+
+
+class StreamStall(Drill):
+    name = "stream-stall"
+    doc_id = "stream_stall"
+    in_place_when_injected = True  # a knob: from the next session on
+    reads_baselines = False
+    # Eight times the steps of every chunk take the worker's CPUs from the image requests beside them.
+    companions = ("step_time_regression", "queue_wait", "probe_failing")
+    description = ("The steps per chunk raised eightfold while sessions stream: every chunk takes longer to "
+                   "generate than its frames play. The real-time-factor alert fires, triage names the raised steps; "
+                   "the sessions still deliver every chunk, late, and images are served throughout.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details["serving_knobs"] = stack.info()["knobs"]
+        stack.knobs(**self.inject_knobs())
+        r.details["_sessions"] = SessionLoop(stack, dict(self.spec.traffic.get("session") or {})).start()
+        r.notes.append(f"knobs {self.inject_knobs()}: sessions at {self.spec.traffic.get('session')}")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        loop: SessionLoop | None = r.details.get("_sessions")
+        late = [s for s in (loop.chunk_seconds if loop else [])[1:] if s > 0]
+        r.details["chunk_seconds_p50"] = sorted(late)[len(late) // 2] if late else None
+        r.checks["chunks_slower_than_they_play"] = bool(late) and sorted(late)[len(late) // 2] > 0.5
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        loop: SessionLoop | None = r.details.pop("_sessions", None)
+        if loop is not None:
+            loop.stop()
+            r.details["session_outcomes"] = dict(loop.outcomes)
+            r.checks["sessions_deliver_every_chunk"] = set(loop.outcomes) == {"done"}
+            if loop.errors:
+                r.notes.append(f"session client errors: {loop.errors[:3]}")
+        knobs = self.restore_knobs(r.details.get("serving_knobs", {}))
+        if knobs:
+            stack.knobs(**knobs)
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        seen = run_session(stack.service_url, **dict(self.spec.traffic.get("session") or {}))
+        r.checks["sessions_stream_after_restore"] = seen.get("outcome") == "done"
+
+
+class KvWindowTooLong(Drill):
+    name = "kv-window-too-long"
+    doc_id = "kv_window_too_long"
+    in_place_when_injected = False  # the fault is the long session itself
+    reads_baselines = False
+    description = ("The KV window made 32 chunks long and a long session opened at 128x128: its KV cache needs more "
+                   "than the worker's KV memory. That session fails at once as an out-of-memory of stage kv_cache, "
+                   "triage names the window; the next session and the images are served by the same worker.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        info = stack.info()
+        r.details["serving_knobs"] = info["knobs"]
+        r.details["worker_pid_before"] = info["worker"]["pid"]
+        stack.knobs(**self.inject_knobs())
+        tr = self.spec.traffic
+        seen = run_session(stack.service_url, **dict(tr["session"]))
+        msg = str(seen.get("message") or "")
+        r.details["long_session"] = {k: seen.get(k) for k in ("status", "outcome", "reason", "chunks", "message")}
+        r.checks["long_session_fails_out_of_memory"] = seen.get("outcome") == "failed" and seen.get("reason") == "oom"
+        r.checks["error_names_kv_cache_and_fix"] = "KV cache" in msg and "fix:" in msg and "stream_window_chunks" in msg
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        knobs = self.restore_knobs(r.details.get("serving_knobs", {}))
+        if knobs:
+            stack.knobs(**knobs)
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        info = stack.info()
+        r.checks["same_worker_no_restart"] = info["worker"]["pid"] == r.details.get("worker_pid_before")
+        then = self.spec.traffic.get("then", {})
+        seen = run_session(stack.service_url, **dict(then.get("session") or {}))
+        r.details["session_after_restore"] = {k: seen.get(k) for k in ("status", "outcome", "chunks")}
+        r.checks["sessions_stream_after_restore"] = seen.get("outcome") == then.get("expect_outcome", "done")
+
+
+STREAM_DRILLS: tuple[type[Drill], ...] = (StreamStall, KvWindowTooLong)
