@@ -1,0 +1,109 @@
+"""Streaming sessions without a worker process: the server's request checks, its idle reaper and its refusals,
+the stream config and knobs, and the chunk helpers the worker uses."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from stepwatch.service import api, knobs
+from stepwatch.service.config import ConfigError, parse
+from stepwatch.service.sessions import SessionManager, StreamSession, parse_request
+
+
+class FakeWorker:
+    """What the session manager sends, and Futures it answers by hand."""
+
+    def __init__(self) -> None:
+        self.on_session: Any = None
+        self.sent: list[dict[str, Any]] = []
+
+    def call(self, msg: dict[str, Any]) -> Future[Any]:
+        self.sent.append(dict(msg))
+        return Future()
+
+
+def _cfg(**stream: Any) -> Any:
+    return parse({"stream": {"enabled": True, **stream}})
+
+
+def test_a_session_request_is_checked_field_by_field() -> None:
+    cfg = _cfg()
+    ok = parse_request({"prompt": "a kite", "size": "128x128", "chunks": 4, "seed": 3}, cfg)
+    assert ok == {"prompt": "a kite", "width": 128, "height": 128, "seed": 3, "chunks": 4, "steps": None}
+    for body, param in (({"prompt": ""}, "prompt"), ({"prompt": "x", "size": "96x96"}, "size"),
+                        ({"prompt": "x", "chunks": 1}, "chunks"), ({"prompt": "x", "chunks": 33}, "chunks"),
+                        ({"prompt": "x", "steps": 0}, "steps"), ({"prompt": "x", "seed": True}, "seed")):
+        with pytest.raises(api.ApiError) as e:
+            parse_request(body, cfg)
+        assert (e.value.status, e.value.param) == (400, param), body
+
+
+def test_a_session_nobody_reads_is_closed_after_the_idle_timeout() -> None:
+    worker = FakeWorker()
+    manager = SessionManager(_cfg(idle_timeout_seconds=0.3), worker)
+    loop = asyncio.new_event_loop()
+    try:
+        read, unread = StreamSession("read", loop), StreamSession("unread", loop)
+        manager.sessions.update({"read": read, "unread": unread})
+        unread.events.put_nowait(("chunk", b"..."))  # a chunk waits; its stream never takes it
+        deadline = time.monotonic() + 5
+        while not any(m.get("session") == "unread" for m in worker.sent) and time.monotonic() < deadline:
+            read.last_taken = time.monotonic()  # the other session's client keeps reading
+            time.sleep(0.05)
+        closes = [m for m in worker.sent if m["op"] == "session_close"]
+        assert closes and closes[0]["session"] == "unread" and closes[0]["reason"] == "idle", worker.sent
+        assert all(m["session"] != "read" for m in closes)
+    finally:
+        manager.stop()
+        loop.close()
+
+
+def test_a_refusal_and_a_dead_worker_end_the_stream_with_their_reason() -> None:
+    worker = FakeWorker()
+    manager = SessionManager(_cfg(), worker)
+    loop = asyncio.new_event_loop()
+    try:
+        for reply, outcome in (({"op": "error", "kind": "busy", "message": "all 2 session slots are taken"}, "refused"),
+                               ({"op": "session_end", "outcome": "failed", "reason": "oom", "chunks": 0,
+                                 "message": "KV cache out of memory"}, "failed")):
+            sess = StreamSession(outcome, loop)
+            fut: Future[Any] = Future()
+            fut.set_result(reply)
+            manager._ended(sess, fut)
+            loop.run_until_complete(asyncio.sleep(0))
+            kind, payload = sess.events.get_nowait()
+            assert sess.ended and kind == "end" and f'"outcome":"{outcome}"' in payload.decode(), payload
+    finally:
+        manager.stop()
+        loop.close()
+
+
+def test_stream_config_and_knobs_refuse_what_the_pipeline_cannot_run() -> None:
+    with pytest.raises(ConfigError, match="kv_cache"):
+        _cfg(kv_cache=False)
+    with pytest.raises(ConfigError, match="default_size"):
+        _cfg(default_size="256x256")
+    with pytest.raises(ConfigError, match="default_chunks"):
+        _cfg(default_chunks=40)
+    assert not parse({"ranks": 2, "stream": {"enabled": True}}).stream_active  # one rank only
+    for bad, param in (({"stream_window_chunks": 1}, "stream_window_chunks"),
+                       ({"stream_steps": 0}, "stream_steps"), ({"stream_kv_cache": False}, "stream_kv_cache")):
+        with pytest.raises(knobs.KnobError) as e:
+            knobs.validate(bad, 1, stream=True)
+        assert e.value.param == param
+    with pytest.raises(knobs.KnobError, match="no streaming"):
+        knobs.validate({"stream_steps": 8}, 1, stream=False)
+    assert knobs.validate({"stream_window_chunks": 8, "stream_steps": 16}, 1, stream=True)
+
+
+def test_chunk_frames_follow_the_causal_vae() -> None:
+    from stepwatch.service.stream_worker import frames_per_chunk, partition
+
+    assert partition(4) == [1, 2, 2, 2]
+    assert frames_per_chunk(4) == [1, 8, 8, 8]  # 1 + 4 (T - 1) frames in all: 25 for 7 latent frames
+    assert sum(frames_per_chunk(8)) == 1 + 4 * (sum(partition(8)) - 1)
