@@ -551,10 +551,20 @@ def stream_row(b: Board) -> None:
     b.timeseries(
         "KV cache bytes vs the ledger", """KV cache of the sessions in flight on each worker, read from the
         pipeline's cache tensors (allocated, and the share the encoded chunks fill), next to the ledger's
-        2 x d x layers x bytes x window tokens (dashed). Healthy: allocated = ledger, back to 0 when the
-        sessions end; a window too long for the GPU shows here first.""", "bytes",
+        2 x d x layers x bytes x window tokens and the KV memory the host gives its sessions (dashed). Healthy:
+        allocated = ledger, back to 0 when the sessions end, well under the capacity; a session whose window
+        does not fit fails at its start (an OOM of stage kv_cache).""", "bytes",
         [T(kv, "{{state}} @ {{instance}}"),
-         T(sel("stepwatch_stream_kv_cache_ledger_bytes", INST), "ledger @ {{instance}}", "ref")], min_=0)
+         T(sel("stepwatch_stream_kv_cache_ledger_bytes", INST), "ledger @ {{instance}}", "ref"),
+         T(sel("stepwatch_stream_kv_cache_capacity_bytes", INST), "capacity @ {{instance}}", "ref")], min_=0)
+    b.timeseries(
+        "Streaming sessions: active, and ended by outcome", """Sessions streaming now on each worker, and the
+        sessions that ended in the rate window by outcome: done (every chunk out), closed (by the viewer or the
+        idle timeout), failed (an error, or a KV cache that did not fit: the OOM panel says which). Healthy:
+        active within the worker's session slots, no failed.""", "short",
+        [T(sel("stepwatch_stream_sessions_active", INST), "active @ {{instance}}"),
+         T(sum_increase(sel("stepwatch_stream_sessions_total", INST), RATE, "job, instance, outcome"),
+           "{{outcome}} @ {{instance}}")], min_=0)
 
 
 def video_quality_row(b: Board) -> None:

@@ -214,6 +214,8 @@ class SessionEndMsg(TypedDict):
     reason: str  # done, closed, idle, oom, error
     chunks: int  # chunks delivered
     message: str
+    kv_bytes: int  # the session's KV cache as allocated (its tensors), 0 when its call never ran
+    kv_ledger_bytes: int  # what the KV ledger reserved for it
 
 
 class SessionAckMsg(TypedDict):

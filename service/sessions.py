@@ -5,7 +5,8 @@ HTTP (service/app.py):
   POST   /v1/stream/sessions              {prompt, seed?, size?, chunks?, steps?} -> 200 text/event-stream:
                                           ``session`` (id, chunks, frames per chunk), one ``chunk`` per chunk
                                           (index, frames as base64 PNGs, prompt_version, seconds), ``end``
-                                          (outcome done | closed | failed, reason, chunks delivered, message);
+                                          (outcome done | closed | failed, reason, chunks delivered, message,
+                                          the session's KV bytes as allocated and as the ledger reserved them);
                                           429 (Retry-After) when every session slot is taken
   POST   /v1/stream/sessions/{id}/prompt  {prompt} -> {applies_from}: the first chunk the new prompt reaches
   DELETE /v1/stream/sessions/{id}         -> {closing_after}: chunks delivered before it stops
@@ -161,7 +162,7 @@ class SessionManager:
             data = {"outcome": "refused" if reply.get("kind") == "busy" else "failed", "reason": reply.get("kind"),
                     "chunks": 0, "message": reply.get("message", "")}
         else:
-            data = {k: reply.get(k) for k in ("outcome", "reason", "chunks", "message")}
+            data = {k: reply.get(k) for k in ("outcome", "reason", "chunks", "message", "kv_bytes", "kv_ledger_bytes")}
         sess.put("end", sse("end", data))
 
     def set_prompt(self, sid: str, body: Any) -> dict[str, Any]:

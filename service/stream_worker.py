@@ -132,6 +132,8 @@ class LiveSession:
     pending_prompt: str | None = None
     pending_version: int = 0
     closing: str | None = None  # closed or idle, once asked to stop
+    kv_ledger_bytes: int = 0  # reserved at its start
+    kv_bytes: int = 0  # read from the call's cache tensors (the exporter's report), once the call ran
     last_out: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -248,8 +250,9 @@ class StreamSessions:
             message = _failure_message(failure, s) if reason == "oom" else message
             del failure
         gc.collect()  # the call's KV cache and the exception's frames: freed before the slot is reused
-        end: SessionEndMsg = {"op": "session_end", "id": s.id, "outcome": outcome,
-                              "reason": reason, "chunks": s.delivered, "message": message}
+        end: SessionEndMsg = {"op": "session_end", "id": s.id, "outcome": outcome, "reason": reason,
+                              "chunks": s.delivered, "message": message, "kv_bytes": s.kv_bytes,
+                              "kv_ledger_bytes": s.kv_ledger_bytes}
         self.send(end)
 
     def _call(self, s: LiveSession, deliver: bool) -> None:
@@ -274,7 +277,8 @@ class StreamSessions:
             return kw
 
         s.last_out = s.opened_at
-        demand = self._reserve(s, parts, steps)
+        demand = s.kv_ledger_bytes = self._reserve(s, parts, steps)
+        before = s.slot.inst.last_report
         try:
             pipe(prompt_words(req["prompt"]), height=int(req["height"]), width=int(req["width"]),
                  num_frames=1 + 4 * (sum(parts) - 1), num_inference_steps=steps, chunk_partition=parts,
@@ -285,6 +289,9 @@ class StreamSessions:
             with self._lock:
                 self.reserved -= demand
             decoder.close()
+            rep = s.slot.inst.last_report
+            if rep is not before and rep is not None and rep.stream is not None:
+                s.kv_bytes = int(rep.stream.kv_allocated_bytes)
 
     def _reserve(self, s: LiveSession, parts: list[int], steps: int) -> int:
         """Reserve the session's KV bytes (the ledger's, for its window and geometry) or raise KvCacheFull."""

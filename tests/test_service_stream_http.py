@@ -134,7 +134,10 @@ def _two_sessions_a_change_a_close_and_a_refusal(svc: ServiceProc, client: httpx
     tb.join(120)
     assert refused.status == 429 and "slots" in refused.end["error"]["message"], refused
     # A: every chunk, the new prompt from the chunk the server named on.
-    assert a.end == {"outcome": "done", "reason": "done", "chunks": 16, "message": ""}, a.end
+    assert {k: a.end[k] for k in ("outcome", "reason", "chunks", "message")} == {
+        "outcome": "done", "reason": "done", "chunks": 16, "message": ""}, a.end
+    # The session's own KV cache, from its tensors, is the ledger's (64x64 x 16 chunks, window 3: 208 tokens).
+    assert a.end["kv_bytes"] == a.end["kv_ledger_bytes"] == 2 * 24 * 2 * 4 * (3 * 2 * 16 + 14 * 2 * 4), a.end
     assert [c["index"] for c in a.chunks] == list(range(16))
     applies = a.prompt_ack["applies_from"]
     assert 2 <= applies < 16, a.prompt_ack
