@@ -52,12 +52,16 @@ class StreamSession:
     events: asyncio.Queue[tuple[str, bytes]] = field(default_factory=asyncio.Queue)
     last_taken: float = field(default_factory=time.monotonic)
     ended: bool = False
+    first: tuple[str, bytes] | None = None  # the event open() waited for: its stream sends it before the queue
 
     def put(self, kind: str, payload: bytes) -> None:
         """From any thread: hand an event to the session's stream."""
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
 
     async def take(self) -> tuple[str, bytes]:
+        if self.first is not None:
+            ev, self.first = self.first, None
+            return ev
         ev = await self.events.get()
         self.last_taken = time.monotonic()
         return ev
@@ -129,12 +133,13 @@ class SessionManager:
             kind, payload = await asyncio.wait_for(sess.take(), OPEN_TIMEOUT)
         except TimeoutError:
             self.close(sess.id, "closed")
+            self.forget(sess.id)
             raise api.ApiError(503, "the worker did not start the session in time", None, "unavailable",
                                "server_error", {"Retry-After": "5"}) from None
         if kind == "end":
             self.forget(sess.id)
             raise _refusal(json.loads(payload.decode().split("data: ", 1)[1]))
-        sess.events.put_nowait((kind, payload))  # the stream sends it first
+        sess.first = (kind, payload)  # a chunk may already be queued behind it: the stream sends it first
         return sess
 
     def on_worker_event(self, msg: SessionStartedMsg | ChunkMsg) -> None:

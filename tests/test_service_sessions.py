@@ -107,3 +107,15 @@ def test_chunk_frames_follow_the_causal_vae() -> None:
     assert partition(4) == [1, 2, 2, 2]
     assert frames_per_chunk(4) == [1, 8, 8, 8]  # 1 + 4 (T - 1) frames in all: 25 for 7 latent frames
     assert sum(frames_per_chunk(8)) == 1 + 4 * (sum(partition(8)) - 1)
+
+
+def test_the_session_event_goes_out_before_a_chunk_that_arrived_while_open_returned() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        sess = StreamSession("s", loop)
+        sess.events.put_nowait(("chunk", b"chunk 0"))  # queued while open() held the session event
+        sess.first = ("session", b"session")
+        order = [loop.run_until_complete(sess.take())[0] for _ in range(2)]
+        assert order == ["session", "chunk"]
+    finally:
+        loop.close()
