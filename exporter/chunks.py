@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -83,14 +84,14 @@ class ChunkModel:
         """The seeds' ledger: 2 x d x layers x bytes per token, for ``tokens`` tokens and ``batch`` samples."""
         return 2 * self.hidden * self.layers * element_bytes * tokens * batch
 
-    def chunk_frames(self, partition: tuple[int, ...]) -> list[int]:
-        """Output frames per chunk: the first latent frame decodes to one frame, every later one to
-        ``temporal`` (Wan's causal VAE: T latent frames -> 1 + 4 (T - 1))."""
-        out, first = [], True
-        for n in partition:
-            out.append((1 + self.temporal * (n - 1)) if first else self.temporal * n)
-            first = False
-        return out
+    def chunk_frames(self, partition: Sequence[int]) -> list[int]:
+        return chunk_frames(partition, self.temporal)
+
+
+def chunk_frames(partition: Sequence[int], temporal: int) -> list[int]:
+    """Output frames per chunk: the first latent frame decodes to one frame, every later one to ``temporal``
+    (Wan's causal VAE: T latent frames -> 1 + 4 (T - 1))."""
+    return [1 + temporal * (n - 1) if i == 0 else temporal * n for i, n in enumerate(partition)]
 
 
 def model_for(pipe: Any, denoiser: Any) -> ChunkModel | None:

@@ -98,6 +98,36 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 1)
 
 
+class ClientLoop:
+    """One client on a thread repeating a call until stopped (a user who resubmits, a viewer who reconnects):
+    each call's outcome counted; one that raised counts as ``error``, noted, and waits a second."""
+
+    def __init__(self, once: Callable[[], str], name: str, timeout_s: float) -> None:
+        self.once, self.timeout_s = once, timeout_s
+        self.outcomes: dict[str, int] = {}
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+
+    def start(self) -> ClientLoop:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                outcome = self.once()
+            except Exception as e:  # recorded; the drill judges by it
+                self.errors.append(f"{type(e).__name__}: {e}")
+                outcome = "error"
+                self._stop.wait(1.0)
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s)
+
+
 class Drill:
     """One drill; subclasses say how to break the service and what must hold.
 

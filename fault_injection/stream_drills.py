@@ -7,14 +7,13 @@ go through the public API (``POST /v1/stream/sessions``, server-sent events), as
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from typing import Any
 
 from stepwatch import httpclient
-from stepwatch.fault_injection.drills import Drill, DrillResult
+from stepwatch.fault_injection.drills import ClientLoop, Drill, DrillResult
 from stepwatch.fault_injection.stack import LocalStack
+from stepwatch.service.sessions import parse_sse
 
 SESSION_TIMEOUT_S = 300.0
 
@@ -32,12 +31,8 @@ def run_session(service_url: str, **body: Any) -> dict[str, Any]:
             r.read()
             seen["error"] = r.text[:500]
             return seen
-        kind = ""
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line[len("event: "):]
-            elif line.startswith("data: "):
-                _take(seen, kind, json.loads(line[len("data: "):]), t0)
+        for kind, data in parse_sse(r.iter_lines()):
+            _take(seen, kind, data, t0)
     return seen
 
 
@@ -52,36 +47,19 @@ def _take(seen: dict[str, Any], kind: str, data: dict[str, Any], t0: float) -> N
         seen["delivered"] = data.get("chunks")
 
 
-class SessionLoop:
-    """Sessions one after another on a thread (a viewer that reconnects), until stopped."""
+class SessionLoop(ClientLoop):
+    """Sessions one after another (a viewer that reconnects): outcomes are the sessions' ``end`` outcomes, and
+    every chunk's latency as the worker reported it is kept."""
 
     def __init__(self, stack: LocalStack, body: dict[str, Any]) -> None:
+        super().__init__(self._session, "stepwatch-sessions", SESSION_TIMEOUT_S)
         self.stack, self.body = stack, body
-        self.outcomes: dict[str, int] = {}
         self.chunk_seconds: list[float] = []
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="stepwatch-sessions")
 
-    def start(self) -> SessionLoop:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                seen = run_session(self.stack.service_url, **self.body)
-                outcome = str(seen.get("outcome") or f"http_{seen['status']}")
-                self.chunk_seconds += seen["chunk_seconds"]
-            except Exception as e:  # recorded; the drill judges by it
-                self.errors.append(f"{type(e).__name__}: {e}")
-                outcome = "error"
-                self._stop.wait(1.0)
-            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=SESSION_TIMEOUT_S)
+    def _session(self) -> str:
+        seen = run_session(self.stack.service_url, **self.body)
+        self.chunk_seconds += seen["chunk_seconds"]
+        return str(seen.get("outcome") or f"http_{seen['status']}")
 
 
 class StreamStall(Drill):

@@ -7,7 +7,6 @@ serving"); the video jobs go through the public API (``POST /v1/videos``, polled
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -15,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stepwatch import httpclient
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.drills import Drill, DrillResult
+from stepwatch.fault_injection.drills import ClientLoop, Drill, DrillResult
 from stepwatch.fault_injection.stack import LocalStack, _http
 
 DONE = ("succeeded", "failed", "cancelled")
@@ -119,33 +118,9 @@ class VideoVaeUntiled(Drill):
         r.checks["job_counters_add_up_after"] = counters_add_up(job_counters(stack))
 
 
-class VideoJobLoop:
-    """Default video jobs one after another on a thread (a client that keeps submitting), until stopped."""
-
-    def __init__(self, stack: LocalStack, body: dict[str, Any]) -> None:
-        self.stack, self.body = stack, body
-        self.statuses: dict[str, int] = {}
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="stepwatch-video-jobs")
-
-    def start(self) -> VideoJobLoop:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                status = str(run_video(self.stack, **self.body).get("status"))
-            except Exception as e:  # recorded; the drill judges by it
-                self.errors.append(f"{type(e).__name__}: {e}")
-                status = "error"
-                self._stop.wait(1.0)
-            self.statuses[status] = self.statuses.get(status, 0) + 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=JOB_TIMEOUT_S)
+def video_job_loop(stack: LocalStack, body: dict[str, Any]) -> ClientLoop:
+    """Video jobs one after another (a client that keeps submitting): outcomes are the jobs' statuses."""
+    return ClientLoop(lambda: str(run_video(stack, **body).get("status")), "stepwatch-video-jobs", JOB_TIMEOUT_S)
 
 
 class CacheOnDistilled(Drill):
@@ -160,7 +135,7 @@ class CacheOnDistilled(Drill):
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         r.details["serving_knobs"] = stack.info()["knobs"]
         r.details["few_step_hits_before"] = stack.prom.value(queries.few_step_hits()) or 0.0
-        r.details["_jobs"] = VideoJobLoop(stack, dict(self.spec.traffic.get("video") or {})).start()
+        r.details["_jobs"] = video_job_loop(stack, dict(self.spec.traffic.get("video") or {})).start()
         stack.knobs(**self.inject_knobs())
         r.notes.append(f"knobs {self.inject_knobs()}: the few-step video model now reuses steps")
 
@@ -170,11 +145,11 @@ class CacheOnDistilled(Drill):
         r.checks["few_step_hits_counted"] = hits > r.details.get("few_step_hits_before", 0.0)
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
-        loop: VideoJobLoop | None = r.details.pop("_jobs", None)
+        loop: ClientLoop | None = r.details.pop("_jobs", None)
         if loop is not None:
             loop.stop()
-            r.details["video_job_statuses"] = dict(loop.statuses)
-            r.checks["video_jobs_succeed_meanwhile"] = set(loop.statuses) == {"succeeded"}
+            r.details["video_job_statuses"] = dict(loop.outcomes)
+            r.checks["video_jobs_succeed_meanwhile"] = set(loop.outcomes) == {"succeeded"}
             if loop.errors:
                 r.notes.append(f"video job client errors: {loop.errors[:3]}")
         knobs = self.restore_knobs(r.details.get("serving_knobs", {}))

@@ -68,7 +68,8 @@ def _bad(message: str, param: str | None, code: str = "invalid_value", status: i
     return ApiError(status, message, param, code)
 
 
-def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+def int_field(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    """``body[key]``, an integer within lo..hi (default when absent or null), or a 400 naming the field."""
     v = body.get(key, default)
     if v is None:
         return default
@@ -122,12 +123,12 @@ def _guidance(body: dict[str, Any], default: float = 1.0) -> float:
 
 def _seed(body: dict[str, Any]) -> int:
     seed = body.get("seed")
-    return random.randrange(2**32) if seed is None else _int(body, "seed", 0, 0, 2**32 - 1)
+    return random.randrange(2**32) if seed is None else int_field(body, "seed", 0, 0, 2**32 - 1)
 
 
 def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
     prompt = _prompt(body)
-    n = _int(body, "n", 1, 1, cfg.max_n)
+    n = int_field(body, "n", 1, 1, cfg.max_n)
     fmt = body.get("response_format", "b64_json")
     if fmt is None:
         fmt = "b64_json"
@@ -147,7 +148,7 @@ def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
     if max(width, height) > cfg.max_side or width * height > cfg.max_pixels:
         raise _bad(f"'size' {size!r} is over the maximum ({cfg.max_side} px per side, "
                    f"{cfg.max_pixels} pixels)", "size", "size_too_large")
-    steps = _int(body, "steps", cfg.default_steps, 1, cfg.max_steps)
+    steps = int_field(body, "steps", cfg.default_steps, 1, cfg.max_steps)
     return GenerationRequest(prompt, n, width, height, steps, _guidance(body), _seed(body))
 
 
@@ -170,7 +171,7 @@ def validate_video(body: dict[str, Any], cfg: ServiceConfig) -> GenerationReques
         raise _bad(f"'size' {size!r} is not a video size this service serves ({', '.join(v.sizes)})", "size",
                    "unknown_size")
     width, height = (int(x) for x in size.lower().split("x"))
-    frames = _int(body, "frames", v.default_frames, 1, 100_000)
+    frames = int_field(body, "frames", v.default_frames, 1, 100_000)
     if (frames - 1) % 4:
         raise _bad(f"'frames' must be 4k+1 (1, 5, 9, ..., {v.max_frames}), got {frames}: the VAE compresses time "
                    "4x after the first frame", "frames", "invalid_frames")
@@ -180,6 +181,6 @@ def validate_video(body: dict[str, Any], cfg: ServiceConfig) -> GenerationReques
     if frames < 5:
         raise _bad("'frames' must be at least 5 for a video (1 frame is an image: use /v1/images/generations)",
                    "frames", "invalid_frames")
-    steps = _int(body, "steps", v.default_steps, 1, v.max_steps)
+    steps = int_field(body, "steps", v.default_steps, 1, v.max_steps)
     return GenerationRequest(prompt, 1, width, height, steps, _guidance(body, v.guidance_scale), _seed(body),
                              frames=frames)

@@ -345,33 +345,33 @@ async def _session_events(manager: SessionManager, sess: StreamSession) -> Async
         manager.forget(sess.id)
 
 
-@router.post("/v1/stream/sessions/{session_id}/prompt", responses=ERRORS)
-async def session_prompt(request: Request, session_id: str) -> Response:
-    """Change a running session's prompt; the answer says from which chunk on it applies."""
+async def _session_call(request: Request, what: str, call: Callable[[SessionManager], Callable[..., Any]],
+                        *args: Any, with_body: bool = False) -> Response:
+    """One blocking SessionManager call on a thread (after reading the body if it takes one), answered as JSON."""
     try:
         manager = _sessions(request)
-        body = api.parse_json(await _read_body(request))
-        return AsciiJSON(await anyio.to_thread.run_sync(manager.set_prompt, session_id, body))
+        if with_body:
+            args = (*args, api.parse_json(await _read_body(request)))
+        return AsciiJSON(await anyio.to_thread.run_sync(partial(call(manager), *args)))
     except ClientGone:
         return Response(status_code=499)
     except api.ApiError as e:
         return _error(e)
     except Exception as e:
-        log.exception("session prompt change failed")
+        log.exception("session %s failed", what)
         return _error(_internal(e))
+
+
+@router.post("/v1/stream/sessions/{session_id}/prompt", responses=ERRORS)
+async def session_prompt(request: Request, session_id: str) -> Response:
+    """Change a running session's prompt; the answer says from which chunk on it applies."""
+    return await _session_call(request, "prompt change", lambda m: m.set_prompt, session_id, with_body=True)
 
 
 @router.delete("/v1/stream/sessions/{session_id}", responses=ERRORS)
 async def close_session(request: Request, session_id: str) -> Response:
     """Close a session: it stops at its next step and its stream ends with ``end`` (outcome closed)."""
-    try:
-        manager = _sessions(request)
-        return AsciiJSON(await anyio.to_thread.run_sync(manager.close_and_wait, session_id))
-    except api.ApiError as e:
-        return _error(e)
-    except Exception as e:
-        log.exception("session close failed")
-        return _error(_internal(e))
+    return await _session_call(request, "close", lambda m: m.close_and_wait, session_id)
 
 
 @router.post("/admin/knobs", responses=ERRORS)

@@ -438,6 +438,17 @@ def _check_sizes(cfg: ServiceConfig) -> None:
             seen.add(s)
 
 
+def _sizes_with_default(sizes: Any, default: Any, section: str) -> tuple[list[str], str]:
+    """A section's ``sizes`` (a non-empty list of WxH) and its ``default_size`` among them, normalized."""
+    if not isinstance(sizes, list) or not sizes:
+        raise ConfigError(f"{section}.sizes: expected a non-empty list of WxH sizes")
+    out = ["{}x{}".format(*parse_size(s, f"{section}.sizes[{i}]")) for i, s in enumerate(sizes)]
+    dflt = "{}x{}".format(*parse_size(default, f"{section}.default_size"))
+    if dflt not in out:
+        raise ConfigError(f"{section}.default_size: {dflt} is not one of {section}.sizes ({', '.join(out)})")
+    return out, dflt
+
+
 def _check_video(cfg: ServiceConfig) -> None:
     """The video section: frames 4k+1, sizes the video pipeline serves, limits that admit the defaults."""
     v = cfg.video
@@ -445,12 +456,7 @@ def _check_video(cfg: ServiceConfig) -> None:
     _check_type(v.warmup, bool, "video.warmup")
     if v.model is not None and not (Path(v.model) / "model_index.json").is_file():
         raise ConfigError(f"video.model: {v.model} is not a diffusers model directory (no model_index.json)")
-    if not isinstance(v.sizes, list) or not v.sizes:
-        raise ConfigError("video.sizes: expected a non-empty list of WxH sizes")
-    v.sizes = ["{}x{}".format(*parse_size(s, f"video.sizes[{i}]")) for i, s in enumerate(v.sizes)]
-    v.default_size = "{}x{}".format(*parse_size(v.default_size, "video.default_size"))
-    if v.default_size not in v.sizes:
-        raise ConfigError(f"video.default_size: {v.default_size} is not one of video.sizes ({', '.join(v.sizes)})")
+    v.sizes, v.default_size = _sizes_with_default(v.sizes, v.default_size, "video")
     for key in ("default_frames", "max_frames", "default_steps", "max_steps", "fps", "max_jobs",
                 "decode_chunk_frames"):
         _check_type(getattr(v, key), int, f"video.{key}")
@@ -486,12 +492,7 @@ def _check_stream(cfg: ServiceConfig) -> None:
                           "this diffusers (the transformer returns one value where the pipeline unpacks two)")
     if st.model is not None and not (Path(st.model) / "model_index.json").is_file():
         raise ConfigError(f"stream.model: {st.model} is not a diffusers model directory (no model_index.json)")
-    if not isinstance(st.sizes, list) or not st.sizes:
-        raise ConfigError("stream.sizes: expected a non-empty list of WxH sizes")
-    st.sizes = ["{}x{}".format(*parse_size(s, f"stream.sizes[{i}]")) for i, s in enumerate(st.sizes)]
-    st.default_size = "{}x{}".format(*parse_size(st.default_size, "stream.default_size"))
-    if st.default_size not in st.sizes:
-        raise ConfigError(f"stream.default_size: {st.default_size} is not one of stream.sizes ({', '.join(st.sizes)})")
+    st.sizes, st.default_size = _sizes_with_default(st.sizes, st.default_size, "stream")
     for key in ("max_sessions", "default_chunks", "max_chunks", "steps", "max_steps", "window_chunks", "fps"):
         _check_type(getattr(st, key), int, f"stream.{key}")
         if getattr(st, key) < 1:

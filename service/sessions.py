@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,16 @@ REAP_EVERY = 1.0
 def sse(event: str, data: dict[str, Any]) -> bytes:
     """One server-sent event."""
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def parse_sse(lines: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event, data) of a session's stream, read line by line as a client reads it (the inverse of ``sse``)."""
+    kind = ""
+    for line in lines:
+        if line.startswith("event: "):
+            kind = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield kind, json.loads(line[len("data: "):])
 
 
 @dataclass
@@ -76,27 +87,15 @@ def parse_request(body: Any, cfg: ServiceConfig) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise api.ApiError(400, "the body must be a JSON object", None, "invalid_type")
     st = cfg.stream
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > api.MAX_PROMPT_CHARS:
-        raise api.ApiError(400, f"'prompt' must be a non-empty string of at most {api.MAX_PROMPT_CHARS} characters",
-                           "prompt")
+    prompt = prompt_of(body)
     size = body.get("size") or st.default_size
     if size not in st.sizes:
         raise api.ApiError(400, f"'size' must be one of {', '.join(st.sizes)}", "size")
     w, h = parse_size(size)
-    return {"prompt": prompt, "width": w, "height": h, "seed": _int(body, "seed", 0, 0, 2**32 - 1),
-            "chunks": _int(body, "chunks", st.default_chunks, 2, st.max_chunks),
+    return {"prompt": prompt, "width": w, "height": h, "seed": api.int_field(body, "seed", 0, 0, 2**32 - 1),
+            "chunks": api.int_field(body, "chunks", st.default_chunks, 2, st.max_chunks),
             # None: the worker's default (the stream_steps knob)
-            "steps": None if body.get("steps") is None else _int(body, "steps", st.steps, 1, st.max_steps)}
-
-
-def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise api.ApiError(400, f"'{key}' must be an integer within {lo}..{hi}", key)
-    return v
+            "steps": None if body.get("steps") is None else api.int_field(body, "steps", st.steps, 1, st.max_steps)}
 
 
 def prompt_of(body: Any) -> str:

@@ -46,6 +46,7 @@ from stepwatch.service.pipeline import build_pipeline, prompt_words
 
 log = logging.getLogger("stepwatch.service.worker")
 Send = Callable[[Any], None]
+TEMPORAL = 4  # Wan's VAE: latent frames are 4 frames each in time
 
 
 class KvCacheFull(MemoryError):
@@ -65,14 +66,19 @@ class SessionClosed(Exception):
     stepwatch_outcome = "cancelled"
 
 
-def partition(chunks: int) -> list[int]:
-    """Latent frames per chunk: one, then two per chunk (the tiny model's own schedule, extended)."""
-    return [1] + [2] * (chunks - 1)
+def partition(n: int) -> list[int]:
+    """Latent frames per chunk of ``n``: one, then two per chunk (the tiny model's own schedule, extended)."""
+    return [1] + [2] * (n - 1)
 
 
-def frames_per_chunk(chunks: int, temporal: int = 4) -> list[int]:
-    """Frames out per chunk: Wan's causal VAE turns the first latent frame into one frame, later ones into 4."""
-    return [1 + temporal * (n - 1) if i == 0 else temporal * n for i, n in enumerate(partition(chunks))]
+def frames_per_chunk(n: int) -> list[int]:
+    """Frames out per chunk of a session (Wan's VAE: 4x in time, the first latent frame alone)."""
+    return chunks.chunk_frames(partition(n), TEMPORAL)
+
+
+def clip_frames(n: int) -> int:
+    """Frames of a whole session of ``n`` chunks: the pipeline's ``num_frames`` and the shape label's frames."""
+    return sum(frames_per_chunk(n))
 
 
 class ChunkDecoder:
@@ -165,7 +171,7 @@ class StreamSessions:
     def serving_shapes(self) -> list[str]:
         """The slots' shape allowlist: every stream size at the default chunks and steps (a session's frames vary
         with its chunks; every other shape is ``other``, so session lengths never become label values)."""
-        frames = 1 + 4 * (sum(partition(self.cfg.default_chunks)) - 1)
+        frames = clip_frames(self.cfg.default_chunks)
         return [f"{s}x{frames}_{self.cfg.steps}s" for s in self.cfg.sizes]
 
     def apply_knobs(self, knobs: dict[str, Any]) -> dict[str, Any]:
@@ -200,8 +206,8 @@ class StreamSessions:
                         "message": f"all {len(self.slots)} session slots of this worker are taken; retry later"}
             s = slot.session = LiveSession(msg["id"], msg["request"], msg["opened_at"], slot)
             self.sessions[s.id] = s
-        chunks = int(s.request["chunks"])
-        self.send({"op": "session_started", "id": s.id, "chunks": chunks, "frames_per_chunk": frames_per_chunk(chunks)})
+        n = int(s.request["chunks"])
+        self.send({"op": "session_started", "id": s.id, "chunks": n, "frames_per_chunk": frames_per_chunk(n)})
         threading.Thread(target=self._run, args=(s,), daemon=True, name=f"stream-session-{s.id[:8]}").start()
         return None
 
@@ -263,13 +269,11 @@ class StreamSessions:
         # window longer than the session is the whole session at full resolution.
         pipe.transformer.register_to_config(full_chunk_limit=min(self.window, len(parts)))
         decoder = ChunkDecoder(pipe.vae)
-        last = {"steps": 0}
 
         def on_step(p: Any, i: int, _t: Any, kw: dict[str, Any]) -> dict[str, Any]:
             if s.closing:
                 raise SessionClosed(f"session closed ({s.closing}) after {s.delivered} chunks")
-            last["steps"] = len(p.scheduler.timesteps)
-            if i == last["steps"] - 1:
+            if i == len(p.scheduler.timesteps) - 1:  # the chunk's last step: its latents are final
                 frames = decoder.decode(kw["latents"])
                 if deliver:
                     self._deliver(s, frames)
@@ -281,7 +285,7 @@ class StreamSessions:
         before = s.slot.inst.last_report
         try:
             pipe(prompt_words(req["prompt"]), height=int(req["height"]), width=int(req["width"]),
-                 num_frames=1 + 4 * (sum(parts) - 1), num_inference_steps=steps, chunk_partition=parts,
+                 num_frames=clip_frames(len(parts)), num_inference_steps=steps, chunk_partition=parts,
                  output_type="latent", generator=torch.Generator().manual_seed(int(req["seed"])),
                  callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"],
                  max_sequence_length=self.text_tokens, use_kv_cache=self.kv_cache)
@@ -305,7 +309,7 @@ class StreamSessions:
         with self._lock:
             free = self.capacity - self.reserved
             if demand > free:
-                shape = f"{w}x{h}x{1 + 4 * (sum(parts) - 1)}_{steps}s"
+                shape = f"{w}x{h}x{clip_frames(len(parts))}_{steps}s"
                 raise KvCacheFull(f"KV cache out of memory: the session's window of {self.window} chunks at {w}x{h} "
                                   f"needs {demand:,} bytes, {free:,} of {self.capacity:,} are free", shape)
             self.reserved += demand

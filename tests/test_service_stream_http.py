@@ -4,10 +4,8 @@ clients saw (chunks observed = chunks delivered, KV bytes back to idle, first-ch
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from stepwatch.service.sessions import parse_sse
 from tests.promtext import total, value
 from tests.servicefixture import ServiceProc
 from tests.test_exposition_lint import assert_lint_clean
@@ -36,15 +35,6 @@ class Seen:
     close_ack: dict[str, Any] = field(default_factory=dict)
 
 
-def events(r: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
-    kind = ""
-    for line in r.iter_lines():
-        if line.startswith("event: "):
-            kind = line[len("event: "):]
-        elif line.startswith("data: "):
-            yield kind, json.loads(line[len("data: "):])
-
-
 def run_session(client: httpx.Client, url: str, body: dict[str, Any], seen: Seen, change_at: int | None = None,
                 close_at: int | None = None, started: threading.Event | None = None) -> None:
     """Open a session and read it to its end; change the prompt after chunk ``change_at``, close after ``close_at``."""
@@ -55,7 +45,7 @@ def run_session(client: httpx.Client, url: str, body: dict[str, Any], seen: Seen
             r.read()
             seen.end = r.json()
             return
-        for kind, data in events(r):
+        for kind, data in parse_sse(r.iter_lines()):
             if kind == "session":
                 seen.id = data["id"]
                 if started is not None:

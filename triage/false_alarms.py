@@ -50,16 +50,7 @@ def labels_from(prom: Prometheus, at: float, expr: str, wanted: tuple[str, ...])
                 best = have
             if all(k in have for k in wanted):
                 return have
-    return best or _service_target(prom, at, wanted)
-
-
-def _service_target(prom: Prometheus, at: float, wanted: tuple[str, ...]) -> dict[str, str]:
-    """An alert whose series the control never had (streaming was off there): the service target's job and
-    instance, from ``up``, so the alert still names the host a real one would."""
-    targets = [s.labels for s in prom.query("up", at=at) if "service" in s.labels.get("job", "")]
-    if not targets or "instance" not in wanted:
-        return {}
-    return {k: v for k, v in targets[0].items() if k in ("job", "instance")}
+    return best
 
 
 def false_alarm(th: Thresholds, key: str, labels: dict[str, str], at: float, profile: str) -> Alert:
