@@ -18,11 +18,13 @@ from stepwatch.service.sessions import parse_sse
 SESSION_TIMEOUT_S = 300.0
 
 
-def run_session(service_url: str, **body: Any) -> dict[str, Any]:
+def run_session(service_url: str, chunk_seconds: list[float] | None = None, **body: Any) -> dict[str, Any]:
     """Open a session and read its events to the end: what the viewer saw (status, chunks, each chunk's
-    ``seconds``, the time to the first frames) and the ``end`` event's outcome, reason and message."""
+    ``seconds``, the time to the first frames) and the ``end`` event's outcome, reason and message.  Each
+    chunk's ``seconds`` also goes to ``chunk_seconds`` the moment it arrives (a caller that watches live)."""
     body.setdefault("prompt", "a kite over a grey sea")
-    seen: dict[str, Any] = {"status": 0, "chunks": 0, "chunk_seconds": [], "first_frames_s": None}
+    seen: dict[str, Any] = {"status": 0, "chunks": 0, "chunk_seconds": chunk_seconds if chunk_seconds is not None
+                            else [], "first_frames_s": None}
     t0 = time.perf_counter()
     with httpclient.client(timeout=SESSION_TIMEOUT_S) as c, \
             c.stream("POST", service_url + "/v1/stream/sessions", json=body) as r:
@@ -49,7 +51,7 @@ def _take(seen: dict[str, Any], kind: str, data: dict[str, Any], t0: float) -> N
 
 class SessionLoop(ClientLoop):
     """Sessions one after another (a viewer that reconnects): outcomes are the sessions' ``end`` outcomes, and
-    every chunk's latency as the worker reported it is kept."""
+    every chunk's latency as the worker reported it is kept as it arrives (the alert may fire mid-session)."""
 
     def __init__(self, stack: LocalStack, body: dict[str, Any]) -> None:
         super().__init__(self._session, "stepwatch-sessions", SESSION_TIMEOUT_S)
@@ -57,8 +59,7 @@ class SessionLoop(ClientLoop):
         self.chunk_seconds: list[float] = []
 
     def _session(self) -> str:
-        seen = run_session(self.stack.service_url, **self.body)
-        self.chunk_seconds += seen["chunk_seconds"]
+        seen = run_session(self.stack.service_url, self.chunk_seconds, **self.body)
         return str(seen.get("outcome") or f"http_{seen['status']}")
 
 

@@ -153,8 +153,7 @@ class Worker:
         self._setup_video(registry)
         self._setup_stream(registry)
         self.apply_knobs({"cache": cfg.cache.kind, "cache_threshold": cfg.cache.threshold,
-                          "vae_tiling": cfg.vae_tiling, "compile": cfg.compile.enabled, **self._video_knobs(),
-                          **self._stream_knobs()},
+                          "vae_tiling": cfg.vae_tiling, "compile": cfg.compile.enabled, **self._video_knobs()},
                          warm=False)
         warm = self.warmup() + self._warm_video()
         if self.sessions is not None:
@@ -200,10 +199,6 @@ class Worker:
             return {}
         return {"video_cache": v.cache.kind, "video_cache_threshold": v.cache.threshold,
                 "video_decode_chunk_frames": v.decode_chunk_frames}
-
-    def _stream_knobs(self) -> dict[str, Any]:
-        st = self.cfg.stream
-        return {"stream_window_chunks": st.window_chunks, "stream_steps": st.steps} if self.sessions else {}
 
     def _warm_video(self) -> list[WarmupRun]:
         """One default job (twice: the second is the steady state the queue's predictor starts from)."""
@@ -297,7 +292,7 @@ class Worker:
                     (p.vae.enable_tiling if knobs["vae_tiling"] else p.vae.disable_tiling)()
             self.knobs["vae_tiling"] = bool(knobs["vae_tiling"])
         self._apply_video_knobs(knobs)
-        if self.sessions is not None:
+        if self.sessions is not None:  # the stream knobs in force (the config's until a knob changes them)
             self.knobs.update(self.sessions.apply_knobs(knobs))
         if "compile" in knobs and bool(knobs["compile"]) != self.compile_active:
             self._set_compile(bool(knobs["compile"]))
