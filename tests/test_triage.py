@@ -82,7 +82,7 @@ def _alert(key: str, profile: str = "drill", **labels: str) -> Alert:
 
 STRAGGLER = [
     (r"ratio_to_fastest_rate1m", 0.62),  # step-time-regression #1: busy-time skew
-    (r"stepwatch_rank_step_duration_seconds:ratio_to_fastest", 0.58),  # rank-skew: still slow now
+    (r"rate\(stepwatch_rank_busy_seconds_total\{[^}]*rank=", 0.58),  # rank-skew: still slow now (recent busy time)
     (r"stepwatch_gpu_", None),  # no NVML on this host
     (r"stepwatch_quality_baseline_stale", 0.0),
     (r"compile=~", None),
