@@ -565,6 +565,23 @@ def stream_row(b: Board) -> None:
         [T(sel("stepwatch_stream_sessions_active", INST), "active @ {{instance}}"),
          T(sum_increase(sel("stepwatch_stream_sessions_total", INST), RATE, "job, instance, outcome"),
            "{{outcome}} @ {{instance}}")], min_=0)
+    _drift_panel(b)
+
+
+def _drift_panel(b: Board) -> None:
+    drift = b.th.alert("stream_drift")
+    chunk = sel("stepwatch_quality_stream_chunk_psnr_decibels", INST)
+    b.timeseries(
+        drift.panel, f"""The sidecar's stream probe: one fixed session against its baseline session (same prompt,
+        seed and deployment), the worst chunk's PSNR per range of chunk index (identical chunks drawn at 60 dB),
+        with the probe set's gate (video {num(b.th.quality.video_psnr_gate_db)} dB) and the PSNR's slope over
+        chunk index (dB per chunk). Healthy: every range at 60 (identical), slope 0. Drift: the late ranges
+        fall under the gate while 0-3 hold ({drift.name}); the slope says how fast.""", "dB",
+        [T(f"clamp_max({chunk}, 60)", "chunks {{chunk_index}} ({{probe_set}})"),
+         T(f"{sel('stepwatch_quality_gate_decibels', INST)} and on (job, instance, probe_set) "
+           f"count by (job, instance, probe_set) ({chunk})", "{{probe_set}} gate", "limit"),
+         T(sel("stepwatch_quality_stream_psnr_slope_decibels", INST), "slope dB/chunk ({{probe_set}})")],
+        alerts=["stream_drift"])
 
 
 def video_quality_row(b: Board) -> None:

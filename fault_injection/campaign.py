@@ -54,10 +54,10 @@ def by_stack(names: list[str], compile_backend: str | None = None) -> dict[Stack
 
 
 def make_stack(workdir: Path, ranks: int, *, compile_backend: str | None = None, attach: StackUrls | None = None,
-               progress: Callable[[str], None] | None = None) -> LocalStack:
+               progress: Callable[[str], None] | None = None, stream_probe: bool = False) -> LocalStack:
     overrides = dict(MULTI_RANK_OVERRIDES) if ranks > 1 else {}
     return LocalStack(workdir, ranks=ranks, service_overrides=overrides, compile_backend=compile_backend,
-                      attach=attach, progress=progress)
+                      attach=attach, progress=progress, stream_probe=stream_probe)
 
 
 def calibrate(stack: LocalStack, th: Thresholds, progress: Callable[[str], None],
@@ -110,7 +110,7 @@ class Campaign:
         ranks, backend = key
         where = f"stack-{ranks}rank"
         stack = make_stack(self.out / where, ranks, compile_backend=backend or None, attach=self.attach,
-                           progress=self.progress)
+                           progress=self.progress, stream_probe=any(DRILLS[n].stream_probe for n in group))
         self.progress(f"bringing up the local stack ({ranks} rank{'s' if ranks > 1 else ''}"
                       f"{', ' + backend if backend else ''}) for {', '.join(group)}")
         try:

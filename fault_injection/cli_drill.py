@@ -14,8 +14,8 @@ three: ``seeds``), queue-overload, straggler, straggler-neighbour and worker-sta
 others fire: cache-off, straggler-step-time, fingerprint-change, cache-threshold-raise,
 cache-kind, compile-cache-dropped, shape-too-large, worker-killed, pipeline-errors, worker-freeze,
 cpu-contention, sidecar-killed, host-down, gpu-throttle),
-video-vae-untiled and cache-on-distilled (video jobs and the few-step video model), stream-stall and
-kv-window-too-long (streaming sessions), or all.
+video-vae-untiled and cache-on-distilled (video jobs and the few-step video model), stream-stall,
+kv-window-too-long and drift (streaming sessions), or all.
 
 ``--record DIR`` re-records the triage evaluation set on the code as it is: run
 ``stepwatch drill all --record triage/scenarios --suffix N`` (and

@@ -45,7 +45,7 @@ from stepwatch.alerts.rulegen import rules_file
 from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.asgi import ThreadedServer
 from stepwatch.exporter.sidecar.capture import capture_baseline
-from stepwatch.exporter.sidecar.config import ProbeSet, default_probe_set
+from stepwatch.exporter.sidecar.config import ProbeSet, default_probe_set, default_stream_probe_set
 from stepwatch.promapi import Alertmanager, Prometheus
 
 log = logging.getLogger("stepwatch.stack")
@@ -343,7 +343,7 @@ class Traffic:
 class LocalStack:
     def __init__(self, workdir: Path, *, profile: str = "drill", service_overrides: dict[str, Any] | None = None,
                  compile_backend: str | None = None, ranks: int = 1, sidecar: bool = True,
-                 probe_interval: float = 8.0, attach: StackUrls | None = None,
+                 probe_interval: float = 8.0, attach: StackUrls | None = None, stream_probe: bool = False,
                  on_notification: Callable[[Notification], None] | None = None,
                  progress: Callable[[str], None] | None = None) -> None:
         self.workdir = Path(workdir)
@@ -355,6 +355,9 @@ class LocalStack:
         self.practice_gpus = self.workdir / "practice-gpus.json"
         self.with_sidecar = sidecar
         self.probe_interval = probe_interval
+        # The sidecar's drift probe (one streaming session on each probe run): only for stacks whose drills read it,
+        # since its sessions' chunks also count in the service's stream series (the stall alert's).
+        self.stream_probe = stream_probe
         self.attach = attach
         self.on_notification = on_notification
         self.progress = progress or (lambda msg: log.info(msg))
@@ -491,6 +494,12 @@ class LocalStack:
         probes = default_probe_set(size=PROBE_SIZE, steps=steps)
         self._capture_baseline(probes)
         (self.workdir / "probe-set.yaml").write_text(yaml.safe_dump(probes.to_dict()))
+        if self.stream_probe:
+            stream = default_stream_probe_set()
+            self.progress(f"capturing the stream baseline session ({stream.items[0].chunks} chunks at "
+                          f"{stream.items[0].size})")
+            capture_baseline(self.service_url, stream, self.workdir / "baselines")
+            (self.workdir / "stream-probe-set.yaml").write_text(yaml.safe_dump(stream.to_dict()))
         self._run_sidecar(free_port(), deadline)
 
     def _run_sidecar(self, port: int, deadline: float) -> None:
@@ -500,7 +509,8 @@ class LocalStack:
             sys.executable, "-m", "stepwatch.cli", "sidecar", "--target", self.service_url,
             "--port", str(port), "--baseline-dir", str(self.workdir / "baselines"),
             "--probe-set", str(probe_file), "--interval", f"{self.probe_interval:g}",
-            "--practice-gpus", str(self.practice_gpus)],
+            "--practice-gpus", str(self.practice_gpus),
+            *(["--stream-probe-set", str(self.workdir / "stream-probe-set.yaml")] if self.stream_probe else [])],
             self.workdir / "sidecar.log")
         self.children.append(sidecar)
         self._wait(lambda: httpclient.ok(f"{self.sidecar_url}/metrics"), "sidecar", deadline, child=sidecar)

@@ -138,4 +138,40 @@ class KvWindowTooLong(Drill):
         r.checks["sessions_stream_after_restore"] = seen.get("outcome") == then.get("expect_outcome", "done")
 
 
-STREAM_DRILLS: tuple[type[Drill], ...] = (StreamStall, KvWindowTooLong)
+class Drift(Drill):
+    name = "drift"
+    doc_id = "drift"
+    in_place_when_injected = True  # a knob: the next probe session runs with it
+    reads_baselines = False
+    stream_probe = True
+    description = ("Every chunk from chunk 4 on sampled with 1 step instead of 4: the stream probe's session starts "
+                   "exactly as its baseline and drifts below the video gate from chunk 4. The drift alert fires, "
+                   "triage names the cut steps; sessions and images are served throughout.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details["serving_knobs"] = stack.info()["knobs"]
+        stack.knobs(**self.inject_knobs())
+        r.notes.append(f"knobs {self.inject_knobs()}")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        """What the probe read: chunks 0-3 at their baseline, the later ones below the gate."""
+        rows = stack.prom.query('stepwatch_quality_stream_chunk_psnr_decibels{probe_set="stream"}')
+        psnr = {s.labels.get("chunk_index", ""): s.value for s in rows}
+        gate = self.th.quality.video_psnr_gate_db
+        early = [v for k, v in psnr.items() if k in ("0", "1", "2-3")]
+        late = [v for k, v in psnr.items() if k not in ("0", "1", "2-3")]
+        r.details["chunk_psnr_db"] = {k: round(v, 1) for k, v in sorted(psnr.items())}
+        r.checks["early_chunks_pass"] = bool(early) and min(early) >= gate
+        r.checks["late_chunks_below_gate"] = bool(late) and min(late) < gate
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        knobs = self.restore_knobs(r.details.get("serving_knobs", {}))
+        if knobs:
+            stack.knobs(**knobs)
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        seen = run_session(stack.service_url, chunks=4)
+        r.checks["sessions_stream_after_restore"] = seen.get("outcome") == "done"
+
+
+STREAM_DRILLS: tuple[type[Drill], ...] = (StreamStall, KvWindowTooLong, Drift)

@@ -82,6 +82,10 @@ CAUSES: dict[str, str] = {
     "kv_window_too_long": "a streaming session's KV window does not fit the KV memory (the window was raised)",
     "kv_memory_full": "the streaming sessions' KV caches together need more than the KV memory (too many or too "
                       "large sessions)",
+    "stream_late_steps_cut": "streaming chunks after the first few are sampled with fewer steps: each is left less "
+                             "denoised and every later chunk builds on it (drift)",
+    "stream_window_changed": "the streaming KV window was changed from its start-up value: a shorter one gives late "
+                             "chunks less context to stay consistent with",
     "target_unreachable": "the probed service cannot be reached",
     "baseline_missing": "the quality baseline did not load (missing files, bad checksum)",
     "process_down": "the scraped process is down or hangs while its host is up",

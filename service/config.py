@@ -110,6 +110,10 @@ class StreamConfig:
     steps: int = 4  # denoising steps per chunk (few-step flow-map sampling)
     max_steps: int = 16
     window_chunks: int = 3  # chunks the KV window keeps at full resolution (FAR's full_chunk_limit)
+    # Steps per chunk from chunk ``late_from_chunk`` on (0: the same as ``steps``). Cutting the later chunks'
+    # steps keeps a slow stream real-time and costs their quality (the drift drill's fault).
+    late_steps: int = 0
+    late_from_chunk: int = 4
     kv_cache: bool = True  # the pipeline's use_kv_cache (off fails every call in this diffusers: refused)
     # The KV memory of the worker's sessions together (a GPU server's KV pool; here a stand-in, as
     # memory_budget_mb is for device memory): a session whose window does not fit what is free fails at its
@@ -501,6 +505,12 @@ def _check_stream(cfg: ServiceConfig) -> None:
         raise ConfigError(f"stream.default_chunks: must be within 2..stream.max_chunks ({st.max_chunks})")
     if st.steps > st.max_steps:
         raise ConfigError(f"stream.steps: {st.steps} is above stream.max_steps {st.max_steps}")
+    _check_type(st.late_steps, int, "stream.late_steps")
+    if not 0 <= st.late_steps <= st.max_steps:
+        raise ConfigError(f"stream.late_steps: must be within 0..stream.max_steps ({st.max_steps}); 0: as steps")
+    _check_type(st.late_from_chunk, int, "stream.late_from_chunk")
+    if st.late_from_chunk < 1:
+        raise ConfigError("stream.late_from_chunk: must be >= 1 (the first chunk is sampled with stream.steps)")
     _check_type(st.kv_capacity_mb, (int, float), "stream.kv_capacity_mb")
     if st.kv_capacity_mb <= 0:
         raise ConfigError("stream.kv_capacity_mb: must be > 0")

@@ -49,7 +49,7 @@ CODES = ("200", "429", "500", "503", "507")  # created at 0 per pool: a pool's f
 # count of label sets, so a knob set and restored, or a restart, reads as unchanged.
 OVERRIDABLE = ("cache", "cache_threshold", "vae_tiling", "compile", "attention_backend")
 VIDEO_OVERRIDABLE = ("video_cache", "video_decode_chunk_frames")  # with video jobs on
-STREAM_OVERRIDABLE = ("stream_window_chunks", "stream_steps")  # with streaming sessions on
+STREAM_OVERRIDABLE = ("stream_window_chunks", "stream_steps", "stream_late_steps")  # with streaming sessions on
 Answer = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, headers
 
 

@@ -19,10 +19,10 @@ KNOB_TYPES: dict[str, type | tuple[type, ...]] = {
     # the video pipeline's own (a distilled model should run without a cache) and its frame-chunked decode
     "video_cache": str, "video_cache_threshold": (int, float), "video_decode_chunk_frames": int,
     # streaming sessions (service/stream_worker.py): from the next session on
-    "stream_window_chunks": int, "stream_steps": int, "stream_kv_cache": bool,
+    "stream_window_chunks": int, "stream_steps": int, "stream_kv_cache": bool, "stream_late_steps": int,
 }
 VIDEO_KNOBS = ("video_cache", "video_cache_threshold", "video_decode_chunk_frames")
-STREAM_KNOBS = ("stream_window_chunks", "stream_steps", "stream_kv_cache")
+STREAM_KNOBS = ("stream_window_chunks", "stream_steps", "stream_kv_cache", "stream_late_steps")
 MAX_STREAM_STEPS = 64
 # diffusers' attention dispatch backends the practice service accepts: "native" (PyTorch's SDPA picking its
 # kernel, the start-up value) and the forced SDPA kernels and flex.  A kernel the device cannot run is
@@ -91,6 +91,9 @@ def _check_stream(knobs: dict[str, Any], stream: bool) -> None:
         raise KnobError("stream_window_chunks must be >= 2", "stream_window_chunks")
     if "stream_steps" in knobs and not 1 <= knobs["stream_steps"] <= MAX_STREAM_STEPS:
         raise KnobError(f"stream_steps must be within 1..{MAX_STREAM_STEPS}", "stream_steps")
+    if "stream_late_steps" in knobs and not 0 <= knobs["stream_late_steps"] <= MAX_STREAM_STEPS:
+        raise KnobError(f"stream_late_steps must be within 0..{MAX_STREAM_STEPS} (0: as stream_steps)",
+                        "stream_late_steps")
     if knobs.get("stream_kv_cache") is False:
         raise KnobError("stream_kv_cache: false is refused: AnyFlowFAR fails every call without its KV cache in "
                         "this diffusers (the transformer returns one value where the pipeline unpacks two)",

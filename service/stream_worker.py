@@ -144,6 +144,32 @@ class LiveSession:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+class LateSteps:
+    """Samples chunks from ``from_chunk`` on with ``steps`` steps: FAR sets its scheduler's timesteps once per chunk,
+    so this wraps that call on the scheduler instance for one call (the exporter's hook inside it still sees the
+    steps each chunk really gets).  ``close`` puts the scheduler back; ``steps`` 0 changes nothing."""
+
+    def __init__(self, scheduler: Any, steps: int, from_chunk: int) -> None:
+        self.scheduler, self.steps, self.from_chunk, self.chunk = scheduler, steps, from_chunk, -1
+        self.had_own = "set_timesteps" in vars(scheduler)
+        self.inner = scheduler.set_timesteps
+        if steps:
+            scheduler.set_timesteps = self
+
+    def __call__(self, num_inference_steps: int | None = None, *args: Any, **kwargs: Any) -> Any:
+        self.chunk += 1
+        n = self.steps if self.chunk >= self.from_chunk else num_inference_steps
+        return self.inner(n, *args, **kwargs)
+
+    def close(self) -> None:
+        if not self.steps:
+            return
+        if self.had_own:
+            self.scheduler.set_timesteps = self.inner
+        else:
+            del self.scheduler.set_timesteps
+
+
 class StreamSessions:
     """The session slots of one worker and the sessions on them."""
 
@@ -155,6 +181,7 @@ class StreamSessions:
         self.kv_cache = cfg.kv_cache
         self.window = cfg.window_chunks  # knobs stream_window_chunks, stream_steps: from the next session on
         self.steps = cfg.steps
+        self.late_steps = cfg.late_steps  # knob stream_late_steps: chunks from cfg.late_from_chunk on; 0: steps
         self.slots = [self._slot(registry, seed, device, dtype) for _ in range(cfg.max_sessions)]
         self.capacity = int(cfg.kv_capacity_mb * 2**20)
         self.reserved = 0  # KV bytes of the sessions running (the ledger's, reserved at each session's start)
@@ -180,7 +207,9 @@ class StreamSessions:
             self.window = int(knobs["stream_window_chunks"])
         if "stream_steps" in knobs:
             self.steps = int(knobs["stream_steps"])
-        return {"stream_window_chunks": self.window, "stream_steps": self.steps}
+        if "stream_late_steps" in knobs:
+            self.late_steps = int(knobs["stream_late_steps"])
+        return {"stream_window_chunks": self.window, "stream_steps": self.steps, "stream_late_steps": self.late_steps}
 
     def warm(self) -> None:
         """Short calls per slot: the first call of a pipeline pays one-off costs a client must not see, and FAR's
@@ -283,6 +312,7 @@ class StreamSessions:
         s.last_out = s.opened_at
         demand = s.kv_ledger_bytes = self._reserve(s, parts, steps)
         before = s.slot.inst.last_report
+        late = self._late_steps(pipe, steps)
         try:
             pipe(prompt_words(req["prompt"]), height=int(req["height"]), width=int(req["width"]),
                  num_frames=clip_frames(len(parts)), num_inference_steps=steps, chunk_partition=parts,
@@ -290,12 +320,18 @@ class StreamSessions:
                  callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"],
                  max_sequence_length=self.text_tokens, use_kv_cache=self.kv_cache)
         finally:
+            late.close()
             with self._lock:
                 self.reserved -= demand
             decoder.close()
             rep = s.slot.inst.last_report
             if rep is not before and rep is not None and rep.stream is not None:
                 s.kv_bytes = int(rep.stream.kv_allocated_bytes)
+
+    def _late_steps(self, pipe: Any, steps: int) -> LateSteps:
+        """The later chunks' steps for this call (the knob as it was when the session started)."""
+        late = self.late_steps if self.late_steps and self.late_steps != steps else 0
+        return LateSteps(pipe.scheduler, late, self.cfg.late_from_chunk)
 
     def _reserve(self, s: LiveSession, parts: list[int], steps: int) -> int:
         """Reserve the session's KV bytes (the ledger's, for its window and geometry) or raise KvCacheFull."""

@@ -267,6 +267,17 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_quality_probe_interval_seconds", "gauge",
        "Current cadence of the probe set: seconds between runs (the probe-failing alert's clock).",
        ("probe_set",), "sidecar"),
+    _m("stepwatch_quality_stream_chunk_psnr_decibels", "gauge",
+       "A stream probe set's worst chunk PSNR against its baseline session, per range of chunk index (each "
+       "chunk's last frame; +Inf: identical): drift shows as late ranges falling while early ones hold.",
+       ("probe_set", "chunk_index"), "sidecar"),
+    _m("stepwatch_quality_stream_chunk_ssim_ratio", "gauge",
+       "A stream probe set's worst chunk SSIM against its baseline session, per range of chunk index.",
+       ("probe_set", "chunk_index"), "sidecar"),
+    _m("stepwatch_quality_stream_psnr_slope_decibels", "gauge",
+       "Least-squares slope of a stream probe's chunk PSNR over chunk index, in dB per chunk (PSNR capped at "
+       "60 dB, where the determinism check stops): below 0 the picture drifts from the baseline as it goes.",
+       ("probe_set",), "sidecar"),
 )
 
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}

@@ -99,7 +99,8 @@ def test_cli_registration_and_light_import() -> None:
 # ----- content ----------------------------------------------------------------------------------
 
 # An alert whose panel sits with another subsystem's rows, and where (asserted exactly, so it stays true).
-PANEL_ELSEWHERE = {"nonfinite_outputs": "quality"}  # a service alert about the images: next to the PSNR panels
+PANEL_ELSEWHERE = {"nonfinite_outputs": "quality",  # a service alert about the images: next to the PSNR panels
+                   "stream_drift": "pipeline"}  # the streaming row holds the whole stream, its drift curve included
 
 
 def test_rows_follow_the_subsystems_and_hold_their_alerts_panels(th: Thresholds, overview: dict[str, Any]) -> None:
@@ -440,7 +441,7 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # Warm up the two traffic shapes only: 2048² warm-up costs minutes on a CPU, and the OOM request
     # below fails in the VAE decode whether or not its transformer was compiled first.
     with LocalStack(tmp_path_factory.mktemp("dash") / "stack", compile_backend="aot_eager",
-                    service_overrides={"warmup": ["256x256", "512x512"]}) as st:
+                    service_overrides={"warmup": ["256x256", "512x512"]}, stream_probe=True) as st:
         st.up = time.time()
         with st.traffic(concurrency=2):
             base = measured_baselines(st.prom, {"256x256_8s", "512x512_8s"}, timeout=90)

@@ -256,7 +256,7 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       # video jobs and few-step serving
                                       "video_vae_untiled", "cache_on_distilled",
                                       # streaming sessions
-                                      "stream_stall", "kv_window_too_long"]
+                                      "stream_stall", "kv_window_too_long", "drift"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:

@@ -151,9 +151,46 @@ def _ssim_cases(p: Timing) -> list[Case]:
                   Expect(fire, [(low, round(gate - p.T - 0.01, 6))])])]
 
 
+# Chunks 0-3 (the exporter's index ranges "0", "1" and "2-3") are the early ones: a drift alert needs them to pass.
+EARLY_RANGES = '0|1|2-3'
+
+
+def _drift_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    chunk, gate, by = "stepwatch_quality_stream_chunk_psnr_decibels", "stepwatch_quality_gate_decibels", \
+        "(job, instance, probe_set)"
+    line = f"({gate} - {num(spec.threshold)})"
+    return (f'  min by {by} ({chunk}{{chunk_index!~"{EARLY_RANGES}"}})\n< on {by} {line}\n'
+            f'and on {by}\n  min by {by} ({chunk}{{chunk_index=~"{EARLY_RANGES}"}})\n>= on {by} {line}')
+
+
+def _drift_cases(p: Timing) -> list[Case]:
+    """Late chunks under the gate with the early ones over it fire once the probe result arrives; late chunks
+    just over the gate, and a set bad from its first chunk (not drift), stay quiet."""
+    gate = p.th.quality.video_psnr_gate_db
+    kb = 3
+    fire = kb * p.s + p.F
+    n = p.n(fire + 2 * p.s)
+    series = []
+    sets = {"drifts": (60.0, gate - p.T - 0.5), "holds": (60.0, gate - p.T + 0.5), "bad": (gate - 5, gate - 5)}
+    for name, (early, late) in sets.items():
+        sc = {"job": SIDECAR, "instance": SC, "probe_set": name}
+        series += [Series("stepwatch_quality_gate_decibels", sc, const(gate, n)),
+                   Series("stepwatch_quality_stream_chunk_psnr_decibels", {**sc, "chunk_index": "0"}, const(early, n)),
+                   Series("stepwatch_quality_stream_chunk_psnr_decibels", {**sc, "chunk_index": "2-3"},
+                          const(early, n)),
+                   Series("stepwatch_quality_stream_chunk_psnr_decibels", {**sc, "chunk_index": "4-7"},
+                          born(kb, late, n) if name == "drifts" else const(late, n))]
+    drifts = {"job": SIDECAR, "instance": SC, "probe_set": "drifts"}
+    return [Case(p.spec.key, "late chunks under the gate with early ones over it fire; just over, or bad from the "
+                 "first chunk, stay quiet", series,
+                 [Expect(fire - p.e, [], "the late range not yet probed"),
+                  Expect(fire, [(drifts, gate - p.T - 0.5)])])]
+
+
 ALERTS = (
     AlertDef("quality_drop", _quality_expr, ("instance", "probe_set", "instance_id", "stat"), _quality_cases),
     AlertDef("probe_failing", _probe_expr, ("instance", "probe_set", "reason"), _probe_cases),
     AlertDef("baseline_stale", _stale_expr, ("instance", "probe_set"), _stale_cases),
     AlertDef("quality_ssim", _ssim_expr, ("instance", "probe_set", "instance_id", "stat"), _ssim_cases),
+    AlertDef("stream_drift", _drift_expr, ("instance", "probe_set"), _drift_cases),
 )

@@ -25,6 +25,7 @@ from stepwatch.exporter.sidecar.config import (
     check_target,
     load_config,
     load_probe_set,
+    parse_config,
     positive,
 )
 from stepwatch.exporter.sidecar.main import DEFAULT_HOST, DEFAULT_PORT, serve
@@ -39,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=DEFAULT_HOST, help="address of /metrics (default %(default)s; 0.0.0.0 in a pod)")
     p.add_argument("--baseline-dir", help="baseline root folder (default: the config's, else ./baselines)")
     p.add_argument("--probe-set", help="probe set YAML (default: the config's, else 20 probes at 256x256 x 8 steps)")
+    p.add_argument("--stream-probe-set", metavar="FILE|default",
+                   help="also probe streaming sessions for drift against their baseline session: a probe set YAML "
+                        "whose items give chunks, or `default` (one 8-chunk session at 64x64); its baseline is "
+                        "captured like the images' (stepwatch baseline capture --probe-set FILE)")
     p.add_argument("--gate", help="gate kind the probe set guards: a key of quality.gates_db or `video` "
                                   "(default: the probe set's, else quality.default_gate)")
     p.add_argument("--interval", type=float, help="seconds between probe runs (default: from the probe budget)")
@@ -61,6 +66,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         kw["baseline_dir"] = Path(args.baseline_dir)
     if args.probe_set:
         kw["probe_set"] = load_probe_set(args.probe_set)
+    if args.stream_probe_set:
+        kw["stream_probe_set"] = parse_config({"stream_probe_set": args.stream_probe_set}).stream_probe_set
     if args.gate:
         kw["gate"] = args.gate
     if args.interval is not None:

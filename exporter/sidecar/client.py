@@ -189,7 +189,46 @@ class ServiceClient:
         except httpx.HTTPError:
             pass  # best effort: the job ages out on the service anyway
 
+    def generate_stream(self, item: ProbeItem, timeout_s: float) -> Generated:
+        """A stream probe as a viewer runs one: open the session, read its chunks as they stream, keep each
+        chunk's last frame.  ``timeout_s`` covers the whole session; a session that fails counts by its reason."""
+        from stepwatch.service.sessions import parse_sse  # the same reader as the drills'
+
+        t0 = time.monotonic()
+        frames: list[NDArray[np.uint8]] = []
+        pngs: list[bytes] = []
+        end: dict[str, Any] = {}
+        try:
+            with self._http.stream("POST", "/v1/stream/sessions", json=item.session_body(),
+                                   timeout=timeout_s) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise ProbeError(http_reason(r.status_code), f"probe {item.id}: HTTP {r.status_code}: "
+                                     f"{r.text[:200]}")
+                for kind, data in parse_sse(r.iter_lines()):
+                    if time.monotonic() - t0 > timeout_s:
+                        raise ProbeError("timeout", f"probe {item.id}: session not done within {timeout_s:.1f} s")
+                    if kind == "chunk":
+                        raw = base64.b64decode(data["frames"][-1], validate=True)
+                        frames += decode_png(raw)
+                        pngs.append(raw)
+                    elif kind == "end":
+                        end = data
+        except httpx.TimeoutException:
+            raise ProbeError("timeout", f"probe {item.id}: session not done within {timeout_s:.1f} s") from None
+        except httpx.HTTPError as e:
+            raise ProbeError("connect", f"probe {item.id}: {type(e).__name__}: {e}") from None
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ProbeError("bad_response", f"probe {item.id}: a chunk event without frames ({e})") from None
+        if end.get("outcome") != "done":
+            reason = "http_507" if end.get("reason") == "oom" else "http_500"
+            raise ProbeError(reason, f"probe {item.id}: session ended {end.get('outcome')!r} ({end.get('reason')}) "
+                             f"after {len(frames)} chunks: {str(end.get('message', ''))[:200]}")
+        return self._generated(item, frames, {}, time.monotonic() - t0, pngs)
+
     def generate(self, item: ProbeItem, timeout_s: float) -> Generated:
+        if item.is_stream:
+            return self.generate_stream(item, timeout_s)
         if item.is_video:
             return self.generate_video(item, timeout_s)
         t0 = time.monotonic()
@@ -216,8 +255,8 @@ class ServiceClient:
     def _generated(self, item: ProbeItem, frames: list[NDArray[np.uint8]], sw: dict[str, Any], wall: float,
                    raw: list[bytes]) -> Generated:
         """The probe's output checked against what was asked (frame count, size), with what the service said."""
-        if item.is_video and len(frames) != item.frames:
-            raise ProbeError("bad_response", f"probe {item.id}: {len(frames)} frames, expected {item.frames}")
+        if (item.is_video or item.is_stream) and len(frames) != item.expected_frames:
+            raise ProbeError("bad_response", f"probe {item.id}: {len(frames)} frames, expected {item.expected_frames}")
         w, h = item.width_height
         if frames[0].shape[:2] != (h, w):
             raise ProbeError("bad_response",

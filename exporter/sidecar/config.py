@@ -53,10 +53,25 @@ class ProbeItem:
     steps: int = DEFAULT_STEPS
     guidance_scale: float | None = None
     frames: int | None = None
+    chunks: int | None = None  # a streaming session of this many chunks: one frame per chunk (its last)
 
     @property
     def is_video(self) -> bool:
         return self.frames is not None and self.frames > 1
+
+    @property
+    def is_stream(self) -> bool:
+        return self.chunks is not None
+
+    @property
+    def expected_frames(self) -> int:
+        """Frames the probe's output must have: a chunk's last frame per chunk, a video's frames, or one image."""
+        return self.chunks or self.frames or 1
+
+    def session_body(self) -> dict[str, Any]:
+        """The ``POST /v1/stream/sessions`` body for a stream probe (its steps are the service's, as a viewer's)."""
+        w, h = self.width_height
+        return {"prompt": self.prompt, "seed": self.seed, "width": w, "height": h, "chunks": self.chunks}
 
     @property
     def width_height(self) -> tuple[int, int]:
@@ -88,6 +103,8 @@ class ProbeItem:
             d["guidance_scale"] = self.guidance_scale
         if self.frames is not None:
             d["frames"] = self.frames
+        if self.chunks is not None:
+            d["chunks"] = self.chunks
         return d
 
 
@@ -109,7 +126,11 @@ class ProbeSet:
 
     @property
     def is_video(self) -> bool:
-        return any(i.is_video for i in self.items)
+        return any(i.is_video or i.is_stream for i in self.items)
+
+    @property
+    def is_stream(self) -> bool:
+        return any(i.is_stream for i in self.items)
 
     def gate_kind(self, override: str | None = None) -> str:
         return override or self.gate or (VIDEO_GATE if self.is_video else "")
@@ -118,6 +139,11 @@ class ProbeSet:
 def default_probe_set(size: str = DEFAULT_SIZE, steps: int = DEFAULT_STEPS) -> ProbeSet:
     """10 prompts x 2 seeds = 20 images, cheap at 256x256 x 8 steps."""
     return _grid("default", DEFAULT_PROMPTS, DEFAULT_SEEDS, size, steps, None, None, None)
+
+
+def default_stream_probe_set(size: str = "64x64", chunks: int = 8) -> ProbeSet:
+    """One fixed streaming session (prompt, seed, size, chunks), gated as video: the drift probe."""
+    return ProbeSet("stream", (ProbeItem("kite", "a kite over a grey sea", 7, size=size, chunks=chunks),), VIDEO_GATE)
 
 
 def _grid(name: str, prompts: tuple[str, ...], seeds: tuple[int, ...], size: str, steps: int,
@@ -187,8 +213,8 @@ def _mapping(v: Any, key: str, allowed: set[str]) -> dict[str, Any]:
     return v
 
 
-_SET_KEYS = {"name", "gate", "size", "steps", "guidance_scale", "frames", "prompts", "seeds", "items"}
-_ITEM_KEYS = {"id", "prompt", "seed", "size", "steps", "guidance_scale", "frames"}
+_SET_KEYS = {"name", "gate", "size", "steps", "guidance_scale", "frames", "chunks", "prompts", "seeds", "items"}
+_ITEM_KEYS = {"id", "prompt", "seed", "size", "steps", "guidance_scale", "frames", "chunks"}
 
 
 def parse_probe_set(data: Any, where: str = "probe_set") -> ProbeSet:
@@ -222,6 +248,9 @@ def parse_probe_set(data: Any, where: str = "probe_set") -> ProbeSet:
                 raise ConfigError(f"{k}: needs prompt and seed")
             g = it.get("guidance_scale", guidance)
             f = it.get("frames", frames)
+            c = it.get("chunks", d.get("chunks"))
+            if f is not None and c is not None:
+                raise ConfigError(f"{k}: give frames (a video job) or chunks (a streaming session), not both")
             items.append(ProbeItem(
                 id=_str(str(it.get("id", f"{n:03d}")), f"{k}.id"),
                 prompt=_str(it["prompt"], f"{k}.prompt"),
@@ -230,12 +259,15 @@ def parse_probe_set(data: Any, where: str = "probe_set") -> ProbeSet:
                 steps=_int(it.get("steps", steps), f"{k}.steps", 1, 1000),
                 guidance_scale=None if g is None else _float(g, f"{k}.guidance_scale", 0.0, 100.0),
                 frames=None if f is None else _int(f, f"{k}.frames", 1, 1000),
+                chunks=None if c is None else _int(c, f"{k}.chunks", 2, 1000),
             ))
         ids = [i.id for i in items]
         for i in ids:
             if not _NAME.match(i.lower()) or ids.count(i) > 1:
                 raise ConfigError(f"{where}.items: id {i!r} is duplicated or not usable as a file name")
         return ProbeSet(name, tuple(items), gate)
+    if "chunks" in d:
+        raise ConfigError(f"{where}.chunks: a stream probe set lists its sessions as items")
     prompts = d.get("prompts", list(DEFAULT_PROMPTS))
     if not isinstance(prompts, list) or not prompts:
         raise ConfigError(f"{where}.prompts: expected a non-empty list of strings")
@@ -300,11 +332,30 @@ class SidecarConfig:
     nvml: bool = True
     prober: bool = True
     practice_gpus: Path | None = None  # stand-in GPUs from this state file instead of NVML (practice_gpus.py)
+    stream_probe_set: ProbeSet | None = None  # the drift probe (stream_probe.py): off unless given
 
 
 CONFIG_KEYS = {"target", "probe_set", "baseline_dir", "gate", "interval_s", "min_interval_s", "retry_interval_s",
                "timeout_s", "timeout_margin_s", "initial_timeout_s", "budget_ratio", "thresholds", "nvml", "prober",
-               "practice_gpus"}
+               "practice_gpus", "stream_probe_set"}
+
+
+def _probe_set_of(ps: Any, base: Path, key: str) -> ProbeSet:
+    """A probe set given inline or as a file relative to ``base``; ``stream_probe_set: default`` is the
+    built-in drift probe (one 8-chunk session at 64x64)."""
+    if key == "stream_probe_set" and ps == "default":
+        return default_stream_probe_set()
+    if isinstance(ps, str):
+        try:
+            out = parse_probe_set(load_yaml(base / ps), key)
+        except ConfigError as e:
+            raise ConfigError(f"{key} ({base / ps}): {e}") from None
+    else:
+        out = parse_probe_set(ps, key)
+    if (key == "stream_probe_set") != all(i.is_stream for i in out.items):
+        raise ConfigError(f"{key}: {'every' if key == 'stream_probe_set' else 'no'} item must be a streaming "
+                          "session (chunks)")
+    return out
 
 
 def parse_config(data: Any, base: Path | None = None) -> SidecarConfig:
@@ -318,14 +369,9 @@ def parse_config(data: Any, base: Path | None = None) -> SidecarConfig:
     if "target" in d:
         kw["target"] = check_target(_str(d["target"], "target"), "target")
     if "probe_set" in d:
-        ps = d["probe_set"]
-        if isinstance(ps, str):
-            try:
-                kw["probe_set"] = parse_probe_set(load_yaml(base / ps), "probe_set")
-            except ConfigError as e:
-                raise ConfigError(f"probe_set ({base / ps}): {e}") from None
-        else:
-            kw["probe_set"] = parse_probe_set(ps, "probe_set")
+        kw["probe_set"] = _probe_set_of(d["probe_set"], base, "probe_set")
+    if d.get("stream_probe_set") is not None:
+        kw["stream_probe_set"] = _probe_set_of(d["stream_probe_set"], base, "stream_probe_set")
     if "baseline_dir" in d:
         kw["baseline_dir"] = base / _str(d["baseline_dir"], "baseline_dir")
     if "thresholds" in d:

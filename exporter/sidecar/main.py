@@ -24,6 +24,7 @@ from stepwatch.exporter.sidecar.config import SidecarConfig
 from stepwatch.exporter.sidecar.nvml import NvmlCollector
 from stepwatch.exporter.sidecar.practice_gpus import PracticeGpus
 from stepwatch.exporter.sidecar.prober import Prober
+from stepwatch.exporter.sidecar.stream_probe import StreamProber
 from stepwatch.exposition import serve_metrics
 
 log = logging.getLogger("stepwatch.sidecar")
@@ -43,13 +44,19 @@ def _collector(registry: CollectorRegistry, practice: Path | None = None) -> tup
     return collector, (f"{len(snap.gpus)} GPU(s)" if snap.up else "unavailable (stepwatch_nvml_up 0)")
 
 
-def _prober(cfg: SidecarConfig, registry: CollectorRegistry, thresholds: Thresholds) -> Prober:
+def _probers(cfg: SidecarConfig, registry: CollectorRegistry, thresholds: Thresholds) -> list[Prober]:
+    """The image (or video) prober and, when a stream probe set is given, the drift prober beside it (on the
+    same quality series; each has its own cadence within the probe budget)."""
     assert cfg.target is not None  # resolve_config refuses a prober without a target
-    return Prober(cfg.target, registry=registry, baseline_dir=cfg.baseline_dir, probe_set=cfg.probe_set,
-                  thresholds=thresholds, gate=cfg.gate, interval_s=cfg.interval_s, timeout_s=cfg.timeout_s,
-                  timeout_margin_s=cfg.timeout_margin_s, initial_timeout_s=cfg.initial_timeout_s,
-                  budget_ratio=cfg.budget_ratio, min_interval_s=cfg.min_interval_s,
-                  retry_interval_s=cfg.retry_interval_s)
+    kw: dict[str, Any] = dict(registry=registry, baseline_dir=cfg.baseline_dir, thresholds=thresholds,
+                              interval_s=cfg.interval_s, timeout_s=cfg.timeout_s,
+                              timeout_margin_s=cfg.timeout_margin_s, initial_timeout_s=cfg.initial_timeout_s,
+                              budget_ratio=cfg.budget_ratio, min_interval_s=cfg.min_interval_s,
+                              retry_interval_s=cfg.retry_interval_s)
+    out = [Prober(cfg.target, probe_set=cfg.probe_set, gate=cfg.gate, **kw)]
+    if cfg.stream_probe_set is not None:
+        out.append(StreamProber(cfg.target, probe_set=cfg.stream_probe_set, metrics=out[0].metrics, **kw))
+    return out
 
 
 def _on_signals(stop: threading.Event) -> Callable[[], None]:
@@ -70,23 +77,25 @@ def _on_signals(stop: threading.Event) -> Callable[[], None]:
 
 
 def _prober_thread(prober: Prober, stop: threading.Event) -> threading.Thread:
-    thread = threading.Thread(target=prober.run_forever, args=(stop,), name="stepwatch-prober", daemon=True)
+    thread = threading.Thread(target=prober.run_forever, args=(stop,), name=f"stepwatch-prober-{prober.probe_set.name}",
+                              daemon=True)
     thread.start()
     return thread
 
 
-def _supervise(prober: Prober | None, stop: threading.Event, threads: list[threading.Thread]) -> None:
-    """Run the prober until ``stop``; a prober thread that dies is restarted.  ``threads`` gets each one
-    started, so the caller can join the last even when this is interrupted."""
-    if prober is not None:
+def _supervise(probers: list[Prober], stop: threading.Event, threads: list[threading.Thread]) -> None:
+    """Run the probers until ``stop``; a prober thread that dies is restarted.  ``threads`` holds each prober's
+    current thread (same order), so the caller can join them even when this is interrupted."""
+    for prober in probers:
         log.info("probing %s with probe set %r (%d probes, gate %s = %g dB, alert below %g dB); baselines in %s",
                  prober.target, prober.probe_set.name, len(prober.probe_set.items), prober.gate_kind,
                  prober.gate_db, prober.alert_below_db, prober.store.root)
         threads.append(_prober_thread(prober, stop))
     while not stop.wait(0.5):
-        if prober is not None and not threads[-1].is_alive():
-            log.error("the prober thread ended unexpectedly; restarting it")
-            threads.append(_prober_thread(prober, stop))
+        for n, prober in enumerate(probers):
+            if not threads[n].is_alive():
+                log.error("the prober thread of %r ended unexpectedly; restarting it", prober.probe_set.name)
+                threads[n] = _prober_thread(prober, stop)
 
 
 def serve(cfg: SidecarConfig, thresholds: Thresholds, host: str, port: int,
@@ -94,7 +103,7 @@ def serve(cfg: SidecarConfig, thresholds: Thresholds, host: str, port: int,
     """Serve /metrics and probe until SIGTERM/SIGINT (or ``stop``); 1 when the port cannot be bound."""
     registry = CollectorRegistry()
     collector, nvml_state = _collector(registry, cfg.practice_gpus) if cfg.nvml else (None, "off")
-    prober = _prober(cfg, registry, thresholds) if cfg.prober else None
+    probers = _probers(cfg, registry, thresholds) if cfg.prober else []
     try:
         server, _ = serve_metrics(port, host, registry)
     except OSError as e:
@@ -105,11 +114,11 @@ def serve(cfg: SidecarConfig, thresholds: Thresholds, host: str, port: int,
     restore_signals = _on_signals(stop)
     threads: list[threading.Thread] = []
     try:
-        _supervise(prober, stop, threads)
+        _supervise(probers, stop, threads)
     finally:
         stop.set()
-        if threads and prober is not None:
-            threads[-1].join(timeout=prober.request_timeout() + 2.0)
+        for prober, thread in zip(probers, threads, strict=False):
+            thread.join(timeout=prober.request_timeout() + 2.0)
             prober.close(timeout=1.0)
         server.shutdown()
         server.server_close()

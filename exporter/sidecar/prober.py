@@ -160,7 +160,7 @@ class Prober:
                  gate: str | None = None, interval_s: float | None = None, timeout_s: float | None = None,
                  timeout_margin_s: float = 5.0, initial_timeout_s: float = 60.0, info_timeout_s: float = 5.0,
                  budget_ratio: float | None = None, min_interval_s: float = 5.0, retry_interval_s: float = 30.0,
-                 wallclock: Callable[[], float] = time.time) -> None:
+                 wallclock: Callable[[], float] = time.time, metrics: MetricSet | None = None) -> None:
         if thresholds is None:
             thresholds = load()
         q = thresholds.quality
@@ -187,7 +187,7 @@ class Prober:
         self.client = ServiceClient(target)
         self.target = self.client.target
         self._wallclock = wallclock
-        self.metrics = quality_metrics(registry)
+        self.metrics = metrics or quality_metrics(registry)  # a second prober shares the first one's
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reported: set[str] = set()
@@ -307,7 +307,7 @@ class Prober:
             if self._stop.is_set():
                 res.status = "aborted"
                 return
-            out = ImageOutcome(item.id, frames=item.frames or 1)
+            out = ImageOutcome(item.id, frames=item.expected_frames)
             res.images.append(out)
             try:
                 gen = self.client.generate(item, timeout)
@@ -404,6 +404,11 @@ class Prober:
             self._clear_quality()
             return
         m.quality_probe_duration_seconds.labels(name).observe(res.duration_s)
+        self._export_scores(res)
+
+    def _export_scores(self, res: ProbeResult) -> None:
+        """The set's PSNR and SSIM quantiles per instance (what the quality alerts read)."""
+        m, name = self.metrics, self.probe_set.name
         for inst, summary in res.per_instance.items():
             for q, _ in QUANTILES:
                 m.quality_psnr_decibels.labels(name, inst, q).set(summary["psnr"][q])
