@@ -42,6 +42,12 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
                        "series, bytes and render time of /metrics at fleet cardinality"),
         "stream": ("stepwatch.exporter.bench_stream",
                    "per-chunk cost of the hooks on chunked autoregressive video, bare vs instrumented"),
+        "fleet": ("stepwatch.fault_injection.bench_fleet",
+                  "a load test through the fleet's load balancer, side by side with direct requests"),
+    },
+    "fleet": {
+        "up": ("stepwatch.fault_injection.cli_fleet",
+               "the practice fleet: replicas behind haproxy, agents, HA evaluators, clustered Alertmanagers"),
     },
     "gpu-check": ("stepwatch.exporter.cli_gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
 }

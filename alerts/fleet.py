@@ -1,0 +1,106 @@
+"""Prometheus and Alertmanager configs for a fleet: per-node agents, an HA pair of central evaluators, a gossip
+cluster of Alertmanagers (``stepwatch fleet up``, fault_injection/fleet.py).
+
+The wiring is the one fleets run:
+
+- each node runs a Prometheus in **agent mode** (``--enable-feature=agent``: scrape and remote-write only, no
+  local queries or rules) that scrapes that node's replicas and remote-writes to every central store, with a
+  ``node`` external label;
+- the **central store** is a Prometheus with the remote-write receiver, run twice with distinct external labels
+  (``evaluator: a|b``): both hold every sample and both evaluate the same rules, so losing one loses neither
+  data nor alerts.  Chosen over VictoriaMetrics because the rules, the triage queries and the drills already
+  speak Prometheus' own API and PromQL (MetricsQL differs at the edges, e.g. ``rate`` extrapolation), and the
+  same binary is already a dependency; VictoriaMetrics would be the choice past one node's memory
+  (README: "Scale on paper");
+- both evaluators send to both **Alertmanagers**, which gossip (``--cluster.*``) and so notify once: the
+  ``evaluator`` label is dropped from alerts before they are sent, so the two evaluators' copies of one alert
+  are the same alert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from stepwatch.alerts.rulegen import dump, header
+from stepwatch.alerts.stack import _target, alertmanager_binary, rule_file
+from stepwatch.alerts.thresholds import PROFILES, Thresholds, load
+
+EVALUATOR_LABEL = "evaluator"
+NODE_LABEL = "node"
+
+
+def _profile(th: Thresholds | None, profile: str) -> Any:
+    th = th or load()
+    if profile not in PROFILES:
+        raise ValueError(f"profile {profile!r}: choose one of {', '.join(PROFILES)}")
+    return th.profiles[profile]
+
+
+def _static(job: str, urls: Sequence[str]) -> dict[str, Any]:
+    targets = [_target(u, job) for u in urls]
+    return {"job_name": job, "metrics_path": targets[0][2] or "/metrics",
+            "static_configs": [{"targets": [hostport for _, hostport, _ in targets]}]}
+
+
+def agent_config(node: str, jobs: dict[str, Sequence[str]], remote_write: Sequence[str], profile: str = "drill",
+                 thresholds: Thresholds | None = None) -> str:
+    """A node's agent: scrape ``jobs`` ({job: [metrics URLs]}) and remote-write every sample to each central
+    store (``http://host:port``; the receiver's path is added)."""
+    p = _profile(thresholds, profile)
+    doc: dict[str, Any] = {
+        "global": {"scrape_interval": p.scrape_interval, "scrape_timeout": p.scrape_interval,
+                   "external_labels": {NODE_LABEL: node}},
+        "scrape_configs": [_static(job, urls) for job, urls in jobs.items() if urls],
+        # A short send deadline: samples reach the evaluators within a scrape or two (the default batches for
+        # up to 5 s), and a central store that is down is retried from the agent's WAL when it returns.
+        "remote_write": [{"url": f"{u.rstrip('/')}/api/v1/write",
+                          "queue_config": {"batch_send_deadline": "1s", "min_backoff": "100ms", "max_backoff": "5s"}}
+                         for u in remote_write],
+    }
+    return header(f"Prometheus agent of fleet node {node} ({profile} profile)",
+                  ["Agent mode: scrapes and remote-writes only; queries and rules run on the central evaluators."]) \
+        + dump(doc)
+
+
+def central_config(evaluator: str, alertmanagers: Sequence[str], profile: str = "drill",
+                   rule_files: Sequence[str | Path] | None = None, thresholds: Thresholds | None = None) -> str:
+    """A central evaluator: receives remote writes (no scrapes), evaluates the rules, alerts every Alertmanager
+    with its ``evaluator`` label dropped (both evaluators' copies of an alert are one alert to the cluster)."""
+    p = _profile(thresholds, profile)
+    ams = []
+    for url in alertmanagers:
+        scheme, hostport, _ = _target(url, "alertmanager")
+        ams.append({"scheme": scheme, "static_configs": [{"targets": [hostport]}]})
+    doc: dict[str, Any] = {
+        "global": {"evaluation_interval": p.evaluation_interval, "external_labels": {EVALUATOR_LABEL: evaluator}},
+        "rule_files": [str(f) for f in (rule_files if rule_files is not None else [rule_file(profile)])],
+        "alerting": {"alert_relabel_configs": [{"action": "labeldrop", "regex": EVALUATOR_LABEL}],
+                     "alertmanagers": ams},
+    }
+    return header(f"Central evaluator {evaluator} of the fleet ({profile} profile)",
+                  ["Receives the agents' remote writes (--web.enable-remote-write-receiver); evaluates the rules.",
+                   "Its twin holds the same samples and rules under another evaluator label."]) + dump(doc)
+
+
+def agent_argv(config: str | Path, data_dir: str | Path, listen: str, binary: str = "prometheus") -> list[str]:
+    return [binary, "--enable-feature=agent", f"--config.file={config}", f"--storage.agent.path={data_dir}",
+            f"--web.listen-address={listen}", "--web.enable-lifecycle", "--log.level=warn"]
+
+
+def central_argv(config: str | Path, data_dir: str | Path, listen: str, binary: str = "prometheus") -> list[str]:
+    return [binary, f"--config.file={config}", f"--storage.tsdb.path={data_dir}", f"--web.listen-address={listen}",
+            "--web.enable-remote-write-receiver", "--web.enable-lifecycle", "--storage.tsdb.retention.time=1d",
+            "--log.level=warn"]
+
+
+def alertmanager_cluster_argv(config: str | Path, data_dir: str | Path, listen: str, cluster_listen: str,
+                              peers: Sequence[str], binary: str | None = None) -> list[str]:
+    """A clustered Alertmanager: gossip on ``cluster_listen`` (loopback), joined to ``peers``.  Settle and
+    gossip intervals are short so a two-member loopback cluster forms within seconds."""
+    return [binary or alertmanager_binary(), f"--config.file={config}", f"--storage.path={data_dir}",
+            f"--web.listen-address={listen}", f"--cluster.listen-address={cluster_listen}",
+            f"--cluster.advertise-address={cluster_listen}", *[f"--cluster.peer={p}" for p in peers],
+            "--cluster.gossip-interval=200ms", "--cluster.pushpull-interval=5s", "--cluster.settle-timeout=5s",
+            "--log.level=warn"]

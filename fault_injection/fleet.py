@@ -1,0 +1,206 @@
+"""The practice fleet on loopback: replicas behind haproxy, per-node Prometheus agents remote-writing to an HA pair
+of central evaluators, two Alertmanagers clustered by gossip (``stepwatch fleet up``, ``stepwatch bench fleet``).
+
+Every part is a child process on a free loopback port, as in the one-instance stack (fault_injection/stack.py):
+
+    replica i: service (its own worker) + sidecar          haproxy (leastconn, /readyz checks, /metrics)
+        │ scraped by the agent of node i % nodes                │ scraped by node 0's agent
+        ▼                                                       ▼
+    Prometheus agent per node ── remote_write ──► central evaluator a, central evaluator b (rules)
+                                                          │ alerts (evaluator label dropped)
+                                                          ▼
+                                     Alertmanager 1 ◄─ gossip ─► Alertmanager 2 ──► webhook (once)
+
+Replicas run compile off with the small pool warmed up (three workers share two cores here) and their sidecars
+read no GPU and probe nothing (a probe set per replica would triple the probe load; the fleet's quality
+comparison is a later step: README, "Fleet").
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stepwatch import httpclient
+from stepwatch.alerts import fleet as fcfg
+from stepwatch.alerts import stack as cfgs
+from stepwatch.fault_injection.stack import DRILL_SERVICE, Child, WebhookReceiver, free_port
+from stepwatch.promapi import Alertmanager, Prometheus
+from stepwatch.service.balancer import BALANCER_JOB, haproxy_argv, haproxy_config
+
+log = logging.getLogger("stepwatch.fleet")
+
+# Each replica: the drill service without its large pool's warm-up, compile, video or streaming (three workers
+# warm up on two cores at once).
+REPLICA_SERVICE: dict[str, Any] = {**DRILL_SERVICE, "warmup": ["256x256"], "compile": {"enabled": False},
+                                   "stream": {"enabled": False}, "video": {"enabled": False}}
+
+
+def _ok(url: str) -> Callable[[], bool]:
+    return lambda: httpclient.ok(url)
+
+
+@dataclass
+class Replica:
+    name: str
+    service_url: str
+    sidecar_url: str
+    node: str
+
+
+@dataclass
+class FleetStack:
+    """``start()`` brings the fleet up (or raises, with every child stopped); ``stop()`` ends it."""
+
+    workdir: Path
+    replicas: int = 3
+    nodes: int = 2
+    profile: str = "drill"
+    progress: Callable[[str], None] = field(default=lambda msg: log.info(msg))
+    children: list[Child] = field(default_factory=list)
+    members: list[Replica] = field(default_factory=list)
+    balancer_url: str = ""
+    balancer_metrics_url: str = ""
+    agents: list[str] = field(default_factory=list)
+    evaluators: list[str] = field(default_factory=list)
+    alertmanagers: list[str] = field(default_factory=list)
+    webhook: WebhookReceiver | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 2 or self.nodes < 2 or self.nodes > self.replicas:
+            raise ValueError(f"a fleet needs 2+ replicas over 2+ nodes, no node empty (got {self.replicas} "
+                             f"replicas, {self.nodes} nodes)")
+        self.workdir = Path(self.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    # ----- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> FleetStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 600.0) -> None:
+        t0 = time.time()
+        deadline = t0 + timeout
+        try:
+            self.webhook = WebhookReceiver()
+            self.webhook.start()
+            self._start_alertmanagers(deadline)
+            self._start_evaluators(deadline)
+            self._start_replicas(deadline)
+            self._start_balancer(deadline)
+            self._start_agents(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        self.progress(f"fleet up in {time.time() - t0:.0f}s: balancer {self.balancer_url}, "
+                      f"{len(self.members)} replicas, evaluators {', '.join(self.evaluators)}, "
+                      f"alertmanagers {', '.join(self.alertmanagers)}")
+
+    def stop(self) -> None:
+        for c in reversed(self.children):
+            try:
+                c.stop()
+            except Exception:  # keep stopping the others
+                log.exception("stopping %s", c.name)
+        self.children.clear()
+        if self.webhook is not None:
+            self.webhook.stop()
+            self.webhook = None
+
+    # ----- the parts ------------------------------------------------------------------------
+    def _child(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        c = Child(name, argv, self.workdir / f"{name}.log", env=env)
+        self.children.append(c)
+        return c
+
+    def _wait(self, ok: Callable[[], bool], what: str, deadline: float) -> None:
+        while time.time() < deadline:
+            if ok():
+                return
+            for c in self.children:
+                if not c.alive():
+                    raise RuntimeError(f"{c.name} exited with {c.proc.returncode}:\n{c.tail()}")
+            time.sleep(0.3)
+        raise TimeoutError(f"{what} not ready in time")
+
+    def _start_alertmanagers(self, deadline: float) -> None:
+        assert self.webhook is not None
+        (self.workdir / "alertmanager.yml").write_text(cfgs.alertmanager_config(self.webhook.url, self.profile))
+        gossip = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+        for n, listen in enumerate(gossip):
+            port = free_port()
+            self.alertmanagers.append(f"http://127.0.0.1:{port}")
+            self._child(f"alertmanager-{n + 1}", fcfg.alertmanager_cluster_argv(
+                self.workdir / "alertmanager.yml", self.workdir / f"am-{n + 1}-data", f"127.0.0.1:{port}", listen,
+                [p for p in gossip if p != listen]))
+        for url in self.alertmanagers:
+            self._wait(Alertmanager(url).ready, f"alertmanager {url}", deadline)
+
+    def _start_evaluators(self, deadline: float) -> None:
+        for name in ("a", "b"):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cfg = self.workdir / f"central-{name}.yml"
+            cfg.write_text(fcfg.central_config(name, self.alertmanagers, self.profile))
+            self._child(f"central-{name}", fcfg.central_argv(cfg, self.workdir / f"central-{name}-data",
+                                                             f"127.0.0.1:{port}"))
+            self.evaluators.append(url)
+        for url in self.evaluators:
+            self._wait(Prometheus(url).ready, f"central evaluator {url}", deadline)
+
+    def _start_replicas(self, deadline: float) -> None:
+        for i in range(self.replicas):
+            port, sc_port = free_port(), free_port()
+            name = f"replica-{i}"
+            cfg = self.workdir / f"{name}.yaml"
+            cfg.write_text(yaml.safe_dump(REPLICA_SERVICE))
+            self._child(name, [sys.executable, "-m", "stepwatch.cli", "serve", "--config", str(cfg), "--port",
+                               str(port), "--instance-id", f"{name}:{port}"], env={"OMP_WAIT_POLICY": "PASSIVE"})
+            self.members.append(Replica(name, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{sc_port}",
+                                        f"node-{i % self.nodes}"))
+        self.progress(f"starting {self.replicas} replicas (service + sidecar each)")
+        for r in self.members:
+            self._wait(_ok(r.service_url + "/readyz"), r.name, deadline)
+            self._child(f"{r.name}-sidecar", [sys.executable, "-m", "stepwatch.cli", "sidecar", "--target",
+                                              r.service_url, "--port", r.sidecar_url.rsplit(":", 1)[1],
+                                              "--no-prober", "--no-nvml"])
+        for r in self.members:
+            self._wait(_ok(r.sidecar_url + "/metrics"), f"{r.name} sidecar", deadline)
+
+    def _start_balancer(self, deadline: float) -> None:
+        port, mport = free_port(), free_port()
+        self.balancer_url, self.balancer_metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}"
+        cfg = self.workdir / "haproxy.cfg"
+        cfg.write_text(haproxy_config(f"127.0.0.1:{port}", f"127.0.0.1:{mport}",
+                                      [(r.name, r.service_url.removeprefix("http://")) for r in self.members]))
+        self._child("haproxy", haproxy_argv(cfg))
+        self._wait(lambda: httpclient.ok(self.balancer_url + "/readyz"), "haproxy", deadline)
+
+    def _start_agents(self, deadline: float) -> None:
+        for n in range(self.nodes):
+            node = f"node-{n}"
+            mine = [r for r in self.members if r.node == node]
+            jobs = {cfgs.SERVICE_JOB: [f"{r.service_url}/metrics" for r in mine],
+                    cfgs.SIDECAR_JOB: [f"{r.sidecar_url}/metrics" for r in mine],
+                    BALANCER_JOB: [f"{self.balancer_metrics_url}/metrics"] if n == 0 else []}
+            port = free_port()
+            cfg = self.workdir / f"agent-{node}.yml"
+            cfg.write_text(fcfg.agent_config(node, jobs, self.evaluators, self.profile))
+            self._child(f"agent-{node}", fcfg.agent_argv(cfg, self.workdir / f"agent-{node}-data",
+                                                         f"127.0.0.1:{port}"))
+            self.agents.append(f"http://127.0.0.1:{port}")
+        for url in self.agents:
+            self._wait(_ok(url + "/-/ready"), f"agent {url}", deadline)
+        central = Prometheus(self.evaluators[0])
+        want = 2 * len(self.members) + 1
+        self._wait(lambda: len(central.query("up")) >= want, f"all {want} targets on the central store", deadline)
