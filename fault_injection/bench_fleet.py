@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=3, help="requests in flight (default %(default)s)")
     p.add_argument("--replicas", type=int, default=3, help="practice replicas (default %(default)s)")
     p.add_argument("--workdir", help="the fleet's configs and logs (default: a temporary folder)")
+    p.add_argument("--scale", action="store_true",
+                   help="also measure what a pod costs the central store and print the 10..10,000-pod table")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
 
 
@@ -129,6 +131,33 @@ def measure(fleet: FleetStack, requests: int, concurrency: int) -> dict[str, Any
     }
 
 
+def scale(fleet: FleetStack) -> dict[str, Any]:
+    """The scale table's inputs on this fleet, and a production pod's series (50 shapes, 8 ranks, 8 GPUs) from
+    the exposition benchmark."""
+    from stepwatch.exporter.bench_exposition import service_case, sidecar_case
+    from stepwatch.fault_injection.fleet_scale import measure_scale
+
+    svc, sc = service_case(50, 8, renders=1)["series"], sidecar_case(8, renders=1)["series"]
+    first = fleet.members[0].service_url.removeprefix("http://")
+    return measure_scale(fleet.evaluators[0], fleet.agents, fleet.evaluator_rss_empty, first,
+                         {"service": svc, "sidecar": sc, "pod": svc + sc})
+
+
+def _print_scale(s: dict[str, Any]) -> None:
+    pod = s["series_per_pod"]
+    print(f"per practice pod on the central store: {pod['service']:.0f} service + {pod['sidecar']:.0f} sidecar "
+          f"series; ingest {s['samples_per_s']:.0f} samples/s for {s['head_series']:.0f} head series; "
+          f"{s['bytes_per_head_series']} bytes of evaluator memory per series; "
+          f"{s['wire_bytes_per_sample']:.2f} remote-write bytes per sample")
+    for name in ("practice", "production"):
+        print(f"{name} pods ({s['series_per_pod']['pod'] if name == 'practice' else s['production_pod']['pod']:.0f} "
+              "series each, 15 s scrape):")
+        for row in s[name]:
+            print(f"  {row['pods']:>6} pods: {row['series']:>11,} series, {row['samples_per_s']:>9,} samples/s, "
+                  f"{row['evaluator_memory_gib']:>8} GiB per evaluator, {row['remote_write_mbit_s']:>8} Mbit/s; "
+                  f"{row['advice']}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.concurrency < 1:
         print("bench fleet: --requests and --concurrency must be at least 1", file=sys.stderr)
@@ -136,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="stepwatch-fleet-"))
     with FleetStack(workdir, replicas=args.replicas, progress=lambda m: print(m, file=sys.stderr, flush=True)) as f:
         r = measure(f, args.requests, args.concurrency)
+        if args.scale:
+            r["scale"] = scale(f)
+            _print_scale(r["scale"])
     print(f"{r['answered']}/{r['sent']} answered 200; balancer spread over replicas {r['balancer_per_replica']} "
           f"(largest deviation from even {r['spread']:.0%})")
     print(f"latency p50 through the balancer {r['balancer_p50_ms']} ms, direct {r['direct_p50_ms']} ms (added "

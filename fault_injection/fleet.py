@@ -72,6 +72,7 @@ class FleetStack:
     evaluators: list[str] = field(default_factory=list)
     alertmanagers: list[str] = field(default_factory=list)
     webhook: WebhookReceiver | None = None
+    evaluator_rss_empty: float = 0.0  # evaluator a's resident bytes before any agent wrote (the scale table's zero)
 
     def __post_init__(self) -> None:
         if self.replicas < 2 or self.nodes < 2 or self.nodes > self.replicas:
@@ -157,6 +158,9 @@ class FleetStack:
             self.evaluators.append(url)
         for url in self.evaluators:
             self._wait(Prometheus(url).ready, f"central evaluator {url}", deadline)
+        from stepwatch.fault_injection.fleet_scale import read_metrics
+
+        self.evaluator_rss_empty = read_metrics(self.evaluators[0])["process_resident_memory_bytes"]
 
     def _start_replicas(self, deadline: float) -> None:
         for i in range(self.replicas):

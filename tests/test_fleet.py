@@ -51,6 +51,18 @@ def test_haproxy_config_passes_haproxy_check(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_scale_rows_grow_linearly_and_shard_past_the_budget() -> None:
+    from stepwatch.fault_injection.fleet_scale import EVALUATOR_BUDGET_BYTES, scale_rows
+
+    rows = scale_rows(series_per_pod=2_000, bytes_per_series=5_000, wire_bytes_per_sample=2.0)
+    assert [r["pods"] for r in rows] == [10, 100, 1_000, 10_000]
+    assert rows[1]["series"] == 200_000 and rows[1]["samples_per_s"] == round(200_000 / 15)
+    assert rows[3]["evaluator_memory_gib"] == round(10_000 * 2_000 * 5_000 / 2**30, 2)
+    assert rows[0]["advice"] == "one evaluator pair"
+    shards = int(10_000 * 2_000 * 5_000 // EVALUATOR_BUDGET_BYTES) + 1
+    assert rows[3]["advice"].startswith(f"shard: {shards} evaluator pairs")
+
+
 @pytest.mark.heavy
 def test_load_through_the_balancer_at_three_replicas(tmp_path: Path) -> None:
     from stepwatch.fault_injection.bench_fleet import measure
@@ -66,6 +78,9 @@ def test_load_through_the_balancer_at_three_replicas(tmp_path: Path) -> None:
             status = httpx.get(url + "/api/v2/status", timeout=5).json()
             assert status["cluster"]["status"] == "ready" and len(status["cluster"]["peers"]) == 2, status
         r = measure(fleet, requests=30, concurrency=3)
+        from stepwatch.fault_injection.bench_fleet import scale
+
+        s = scale(fleet)
     assert r["answered"] == r["sent"] == 60, r["codes"]
     assert r["spread"] <= 0.2, r["balancer_per_replica"]  # within 20% of even
     lb, direct = r["balancer_per_replica"], 10  # direct requests go round robin: 10 per replica
@@ -73,3 +88,9 @@ def test_load_through_the_balancer_at_three_replicas(tmp_path: Path) -> None:
         port = rep.service_url.rsplit(":", 1)[1]
         assert r["central_counted"][f"127.0.0.1:{port}"] == lb[f"{rep.name}:{port}"] + direct, r
     assert r["balancer_p50_ms"] > 0 and r["direct_p50_ms"] > 0
+    assert 0 < r["proxy_added_ms"] < 50  # haproxy's own cost on a health check: well under a generation's
+    # The scale table's inputs were measured, not assumed.
+    assert s["series_per_pod"]["service"] > 100 and s["series_per_pod"]["sidecar"] > 10
+    assert s["samples_per_s"] > 0 and s["bytes_per_head_series"] > 0 and s["wire_bytes_per_sample"] > 0
+    assert s["production_pod"]["pod"] > s["series_per_pod"]["pod"]
+    assert [row["series"] for row in s["production"]] == sorted(row["series"] for row in s["production"])
