@@ -17,7 +17,7 @@ from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
 from stepwatch.fault_injection.drills import DrillResult, Runner, Triage, calibrate_baselines
-from stepwatch.fault_injection.recording import Recording
+from stepwatch.fault_injection.recording import Recording, StackKey  # (ranks, compile backend or "", stream probe)
 from stepwatch.fault_injection.registry import ALL_DRILLS, DRILLS, RIVAL_DRILLS, SEED_DRILLS
 from stepwatch.fault_injection.report import write_report
 from stepwatch.fault_injection.stack import LocalStack, StackUrls
@@ -25,7 +25,6 @@ from stepwatch.fault_injection.stack import LocalStack, StackUrls
 # Sequence parallelism on CPU: compile off (each rank would compile), warm-up of the traffic shapes only.
 MULTI_RANK_OVERRIDES: dict[str, Any] = {"compile": {"enabled": False}, "warmup": ["256x256", "512x512"]}
 GROUPS = {"all": ALL_DRILLS, "seeds": SEED_DRILLS, "rivals": RIVAL_DRILLS}
-StackKey = tuple[int, str]  # (ranks, compile backend: "" for the service config's)
 
 
 def expand(names: list[str]) -> list[str]:
@@ -42,14 +41,16 @@ def expand(names: list[str]) -> list[str]:
 
 
 def by_stack(names: list[str], compile_backend: str | None = None) -> dict[StackKey, list[str]]:
-    """The drills grouped by the stack they need (rank count, compile backend), in the order given.
+    """The drills grouped by the stack they need (rank count, compile backend, stream probe), in the order given.
 
-    Two-rank stacks run compile off whatever the backend (each rank would compile).
+    Two-rank stacks run compile off whatever the backend (each rank would compile).  Drills that read the sidecar's
+    stream probe get a stack of their own: the probe's sessions count in the service's stream series, and a probe
+    session every few seconds beside another drill's CPU fault could stall streams that drill does not expect.
     """
     out: dict[StackKey, list[str]] = {}
     for n in names:
         ranks = DRILLS[n].needs_ranks
-        out.setdefault((ranks, "" if ranks > 1 else compile_backend or ""), []).append(n)
+        out.setdefault((ranks, "" if ranks > 1 else compile_backend or "", DRILLS[n].stream_probe), []).append(n)
     return out
 
 
@@ -107,10 +108,10 @@ class Campaign:
                             progress=self.progress, stacks=self.stacks, keep_snapshots=True)
 
     def _run_group(self, key: StackKey, group: list[str]) -> None:
-        ranks, backend = key
-        where = f"stack-{ranks}rank"
+        ranks, backend, stream_probe = key
+        where = f"stack-{ranks}rank" + ("-stream" if stream_probe else "")
         stack = make_stack(self.out / where, ranks, compile_backend=backend or None, attach=self.attach,
-                           progress=self.progress, stream_probe=any(DRILLS[n].stream_probe for n in group))
+                           progress=self.progress, stream_probe=stream_probe)
         self.progress(f"bringing up the local stack ({ranks} rank{'s' if ranks > 1 else ''}"
                       f"{', ' + backend if backend else ''}) for {', '.join(group)}")
         try:

@@ -34,7 +34,7 @@ from stepwatch.triage.record import record_scenario
 WINDOW_S = 420.0  # history per scenario: the steady baseline before a fault and the fault itself
 BEFORE_S = 150.0  # of it, before a drill's injection
 CONTROL_S = 60.0  # steady traffic before a control is recorded
-StackKey = tuple[int, str]
+StackKey = tuple[int, str, bool]  # (ranks, compile backend, the sidecar's stream probe on)
 
 
 def revision() -> str:
@@ -47,8 +47,8 @@ def revision() -> str:
 
 
 def stack_name(key: StackKey) -> str:
-    ranks, backend = key
-    return f"{ranks}rank" + (f"-{backend}" if backend else "")
+    ranks, backend, stream_probe = key
+    return f"{ranks}rank" + (f"-{backend}" if backend else "") + ("-stream" if stream_probe else "")
 
 
 @dataclass
