@@ -27,11 +27,11 @@ from typing import Any
 import httpx
 
 from stepwatch import httpclient
+from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.fleet import FleetStack
 from stepwatch.promapi import Prometheus
 
 BODY = {"prompt": "a lighthouse at dusk", "size": "256x256", "steps": 4, "response_format": "b64_json"}
-COUNTED = 'sum by (instance) (stepwatch_service_requests_total{job="stepwatch-service", code="200"})'
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,7 +97,8 @@ def _p(values: list[float], q: float) -> float:
 
 def _counted(fleet: FleetStack) -> dict[str, float]:
     """Requests answered 200 per replica as the central store has them (both evaluators must agree)."""
-    per = [{s.labels.get("instance", ""): s.value for s in Prometheus(u).query(COUNTED)} for u in fleet.evaluators]
+    per = [{s.labels.get("instance", ""): s.value for s in Prometheus(u).query(queries.requests_ok_by_instance())}
+           for u in fleet.evaluators]
     return per[0] if all(p == per[0] for p in per) else {"disagree": -1.0, **per[0]}
 
 

@@ -31,6 +31,7 @@ import yaml
 from stepwatch import httpclient
 from stepwatch.alerts import fleet as fcfg
 from stepwatch.alerts import stack as cfgs
+from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.stack import DRILL_SERVICE, Child, WebhookReceiver, free_port
 from stepwatch.promapi import Alertmanager, Prometheus
 from stepwatch.service.balancer import BALANCER_JOB, haproxy_argv, haproxy_config
@@ -45,6 +46,10 @@ REPLICA_SERVICE: dict[str, Any] = {**DRILL_SERVICE, "warmup": ["256x256"], "comp
 
 def _ok(url: str) -> Callable[[], bool]:
     return lambda: httpclient.ok(url)
+
+
+def _has_targets(prom: Prometheus, n: int) -> Callable[[], bool]:
+    return lambda: len(prom.query(queries.targets_up())) >= n
 
 
 @dataclass
@@ -205,6 +210,6 @@ class FleetStack:
             self.agents.append(f"http://127.0.0.1:{port}")
         for url in self.agents:
             self._wait(_ok(url + "/-/ready"), f"agent {url}", deadline)
-        central = Prometheus(self.evaluators[0])
         want = 2 * len(self.members) + 1
-        self._wait(lambda: len(central.query("up")) >= want, f"all {want} targets on the central store", deadline)
+        for url in self.evaluators:  # both evaluators hold every target's samples before the fleet counts as up
+            self._wait(_has_targets(Prometheus(url), want), f"all {want} targets on evaluator {url}", deadline)

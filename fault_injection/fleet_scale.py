@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from stepwatch import httpclient
+from stepwatch.fault_injection import queries
 from stepwatch.promapi import Prometheus
 
 PODS = (10, 100, 1_000, 10_000)
@@ -40,8 +41,7 @@ def read_metrics(url: str) -> dict[str, float]:
 
 def pod_series(central: str) -> dict[str, float]:
     """Series per pod on the central store: each replica's service series plus its sidecar's, averaged."""
-    prom = Prometheus(central)
-    rows = prom.query('count by (job, instance) ({job=~"stepwatch-service|stepwatch-sidecar"})')
+    rows = Prometheus(central).query(queries.series_per_target())
     by_job: dict[str, list[float]] = {}
     for s in rows:
         by_job.setdefault(s.labels.get("job", ""), []).append(s.value)
@@ -52,8 +52,8 @@ def pod_series(central: str) -> dict[str, float]:
 
 def top_families(central: str, instance: str, n: int = 5) -> list[tuple[str, int]]:
     """The metric families with the most series on one service instance (what recording rules should cut)."""
-    rows = Prometheus(central).query(f'count by (__name__) ({{instance="{instance}"}})')
-    counts = Counter({s.labels.get("__name__", ""): int(s.value) for s in rows})
+    rows = Prometheus(central).query(queries.series_per_family())
+    counts = Counter({s.labels.get("__name__", ""): int(s.value) for s in rows if s.labels.get("instance") == instance})
     return counts.most_common(n)
 
 

@@ -76,6 +76,37 @@ def few_step_hits() -> str:
     return agg("sum", "stepwatch_cache_few_step_hits_total")
 
 
+def stream_chunk_psnr() -> str:
+    """The stream probe's worst chunk PSNR (dB) per chunk-index range (the drift drill: early ranges hold)."""
+    return sel("stepwatch_quality_stream_chunk_psnr_decibels")
+
+
+def targets_up() -> str:
+    """Every scraped target's ``up`` (the fleet: every target reached the central store)."""
+    return "up"
+
+
+def requests_ok_by_instance() -> str:
+    """Requests answered 200 so far, per service instance (the fleet's load test against its clients' count)."""
+    return agg("sum", sel("stepwatch_service_requests_total", 'job="stepwatch-service"', 'code="200"'), "instance")
+
+
+def series_per_target() -> str:
+    """Series of each service and sidecar target (the fleet's scale table)."""
+    return 'count by (job, instance) ({job=~"stepwatch-service|stepwatch-sidecar"})'
+
+
+def series_per_family() -> str:
+    """Series per metric family and service instance (which families cost the most)."""
+    return 'count by (__name__, instance) ({job="stepwatch-service"})'
+
+
+def cardinality_queries() -> dict[str, str]:
+    """The fleet's scale measurements: series counts over every name of a job, so they name no series (checked
+    apart from the drills' queries, by job)."""
+    return {"series_per_target": series_per_target(), "series_per_family": series_per_family()}
+
+
 def drill_queries(window: str) -> dict[str, str]:
     """Every query the drills and the baseline calibration run, by name, for one rate window."""
     out = {"mean_step": mean_step(window), "step_by_shape": step_by_shape(window),
@@ -83,7 +114,8 @@ def drill_queries(window: str) -> dict[str, str]:
            "quality_gate": quality_gate(), "estimated_wait": estimated_wait(),
            "service_requests": service_requests(), "rank_stuck": rank_stuck_outside_collectives(),
            "rank_busy_ratio": rank_busy_ratio(window), "pipeline_cpu_wait": pipeline_cpu_wait(window),
-           "few_step_hits": few_step_hits()}
+           "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(),
+           "requests_ok_by_instance": requests_ok_by_instance()}
     for name, q in LATENCY_QUANTILES.items():
         out[f"request_{name}"] = request_quantile(q, window)
     return out

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from stepwatch import httpclient
+from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.drills import ClientLoop, Drill, DrillResult
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.service.sessions import parse_sse
@@ -155,8 +156,8 @@ class Drift(Drill):
 
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
         """What the probe read: chunks 0-3 at their baseline, the later ones below the gate."""
-        rows = stack.prom.query('stepwatch_quality_stream_chunk_psnr_decibels{probe_set="stream"}')
-        psnr = {s.labels.get("chunk_index", ""): s.value for s in rows}
+        rows = stack.prom.query(queries.stream_chunk_psnr())
+        psnr = {s.labels.get("chunk_index", ""): s.value for s in rows if s.labels.get("probe_set") == "stream"}
         gate = self.th.quality.video_psnr_gate_db
         early = [v for k, v in psnr.items() if k in ("0", "1", "2-3")]
         late = [v for k, v in psnr.items() if k not in ("0", "1", "2-3")]

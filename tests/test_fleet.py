@@ -90,7 +90,7 @@ def test_load_through_the_balancer_at_three_replicas(tmp_path: Path) -> None:
     assert r["balancer_p50_ms"] > 0 and r["direct_p50_ms"] > 0
     assert 0 < r["proxy_added_ms"] < 50  # haproxy's own cost on a health check: well under a generation's
     # The scale table's inputs were measured, not assumed.
-    assert s["series_per_pod"]["service"] > 100 and s["series_per_pod"]["sidecar"] > 10
+    assert s["series_per_pod"]["service"] > 100 and s["series_per_pod"]["sidecar"] >= 1  # sidecars: no GPU, no probe
     assert s["samples_per_s"] > 0 and s["bytes_per_head_series"] > 0 and s["wire_bytes_per_sample"] > 0
     assert s["production_pod"]["pod"] > s["series_per_pod"]["pod"]
     assert [row["series"] for row in s["production"]] == sorted(row["series"] for row in s["production"])

@@ -96,7 +96,7 @@ def _queries_function(arg: ast.expr) -> str | None:
 def test_the_drills_run_no_query_outside_queries_py(th: Thresholds) -> None:
     """Each PromQL argument in fault_injection is a call of a query function whose output is collected."""
     window = th.profiles["drill"].rate_window
-    collected = set(queries.drill_queries(window).values())
+    collected = set(queries.drill_queries(window).values()) | set(queries.cardinality_queries().values())
     used = 0
     for path in sorted((ROOT / "fault_injection").glob("*.py")):
         if path.name == "queries.py":

@@ -400,14 +400,17 @@ def test_service_and_sidecar_names_used_appear_live(th: Any, runbooks: dict[str,
     from prometheus_client import CollectorRegistry, generate_latest
 
     from stepwatch.exporter.sidecar.capture import capture_baseline
-    from stepwatch.exporter.sidecar.config import default_probe_set
+    from stepwatch.exporter.sidecar.config import default_probe_set, default_stream_probe_set
     from stepwatch.exporter.sidecar.prober import Prober
+    from stepwatch.exporter.sidecar.stream_probe import StreamProber
     from tests.servicefixture import ServiceProc
 
-    svc = ServiceProc(tmp_path / "svc", {"compile": {"enabled": False}})
+    svc = ServiceProc(tmp_path / "svc", {"compile": {"enabled": False},
+                                         "stream": {"enabled": True, "sizes": ["64x64"]}})
     try:
-        probes = default_probe_set(size="256x256", steps=4)
+        probes, stream = default_probe_set(size="256x256", steps=4), default_stream_probe_set()
         capture_baseline(svc.url, probes, tmp_path / "base")
+        capture_baseline(svc.url, stream, tmp_path / "base")
         reg = CollectorRegistry()
         # The prober's own loop, for one cycle: the interval gauge is what run_forever exports after a run.
         prober = Prober(svc.url, registry=reg, baseline_dir=tmp_path / "base", probe_set=probes, interval_s=60.0)
@@ -428,6 +431,13 @@ def test_service_and_sidecar_names_used_appear_live(th: Any, runbooks: dict[str,
         assert not loop.is_alive()
         assert prober.last_result is not None and prober.last_result.status == "ok"
         assert value(scrape(reg), interval, probe_set=probes.name) == 60.0
+        # The drift probe beside it, on the same series (the drift alert reads its chunk ranges).
+        streamer = StreamProber(svc.url, registry=reg, baseline_dir=tmp_path / "base", probe_set=stream,
+                                metrics=prober.metrics)
+        try:
+            assert streamer.run_once().status == "ok"
+        finally:
+            streamer.close()
         # No GPU here: the NVML side reads the fake provider (the one hardware fake allowed).
         from tests.fakes import FakeNvml, collector, gpu
 
