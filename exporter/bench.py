@@ -221,18 +221,41 @@ def _ci(values: list[float]) -> tuple[float, float]:
     return meds[10], meds[389]
 
 
-def run_case(bare: Any, inst_pipe: Any, case: RealCase, rounds: int) -> dict[str, Any]:
-    steps = case.steps
-    for p in (bare, inst_pipe):  # warm both
-        _timed_call(p, case, 0)
-    totals: dict[str, list[float]] = {"bare": [], "inst": []}
-    step_s: dict[str, list[float]] = {"bare": [], "inst": []}
+def crossover(pipes: tuple[Any, Any], call: Any, rounds: int, block: int = 8,
+              progress: Any = None) -> tuple[dict[str, list[Any]], Any]:
+    """Paired bare/instrumented calls of ``call(pipe, round)`` on two pipelines built alike, the instrumented one
+    swapped every ``block`` rounds; returns {"bare": [...], "inst": [...]} of call results and the last handle.
+
+    Two pipelines built alike are not equally fast on a shared VM (an A/A of two bare FAR pipelines read 0.95-0.99;
+    the FLUX few-step case read 1.02 over 48 rounds with hooks costing microseconds), so each one spends half the
+    rounds on each side (a crossover) and that difference cancels.  Within a round the order alternates (drift
+    cancels in each pair); after each swap one discarded call per side pays the first-call costs.
+    """
+    from stepwatch.exporter import uninstrument
+
+    out: dict[str, list[Any]] = {"bare": [], "inst": []}
+    handle: Any = None
+    side = 0
     for r in range(rounds):
-        order = (("bare", bare), ("inst", inst_pipe)) if r % 2 == 0 else (("inst", inst_pipe), ("bare", bare))
-        for name, pipe in order:
-            total, st = _timed_call(pipe, case, r)
-            totals[name].append(total)
-            step_s[name].extend(st)
+        if r % block == 0:
+            side = (r // block) % 2
+            uninstrument(pipes[1 - side])
+            handle = instrument(pipes[side], registry=CollectorRegistry())
+            for p in pipes:
+                call(p, r)
+        named = (("bare", pipes[1 - side]), ("inst", pipes[side]))
+        for name, pipe in named if r % 2 == 0 else named[::-1]:
+            out[name].append(call(pipe, r))
+        if progress is not None:
+            progress(r, out)
+    return out, handle
+
+
+def run_case(pipes: tuple[Any, Any], case: RealCase, rounds: int) -> dict[str, Any]:
+    steps = case.steps
+    calls, _ = crossover(pipes, lambda p, r: _timed_call(p, case, r), rounds)
+    totals = {k: [t for t, _ in v] for k, v in calls.items()}
+    step_s = {k: [s for _, st in v for s in st] for k, v in calls.items()}
     tb, ti = statistics.median(totals["bare"]), statistics.median(totals["inst"])
     # Paired: each round's instrumented call minus its neighbouring bare call cancels drift.
     pairs = list(zip(totals["inst"], totals["bare"], strict=True))
@@ -274,16 +297,15 @@ def parse_case(case: str) -> tuple[str, RealCase]:
 
 
 def default_rounds(size: int) -> int:
-    """Enough pairs for a ratio interval narrower than the 1% bar where a request takes milliseconds."""
-    return 160 if size <= 256 else 48 if size <= 512 else 24
+    """Enough pairs for a ratio interval near the 1% bar where a request takes milliseconds."""
+    return 160 if size <= 512 else 24
 
 
 def pipelines(cache: str = "none") -> tuple[Any, Any]:
-    """Two identical practice pipelines (seed 0), the second instrumented; ``cache`` on both unless "none"."""
-    bare = build_pipeline("flux", seed=0)
-    inst_pipe = build_pipeline("flux", seed=0)
+    """Two identical practice pipelines (seed 0), ``cache`` on both unless "none"; ``crossover`` instruments
+    one side at a time."""
+    pair = build_pipeline("flux", seed=0), build_pipeline("flux", seed=0)
     if cache != "none":
-        apply_cache(bare, cache, 0.5)
-        apply_cache(inst_pipe, cache, 0.5)
-    instrument(inst_pipe, registry=CollectorRegistry())
-    return bare, inst_pipe
+        for p in pair:
+            apply_cache(p, cache, 0.5)
+    return pair

@@ -2,7 +2,9 @@
 
 Two pipelines built from the same seed (bit-identical), one instrumented, run
 interleaved in one process with the same seeds, alternating which goes first
-so drift (thermal, caches, other load) hits both alike.  Per case it reports
+so drift (thermal, caches, other load) hits both alike; every 8 rounds the
+instrumentation moves to the other pipeline (a crossover: two objects built
+alike differ by a few percent on a shared VM, and that difference cancels).  Per case it reports
 the median per-step time of each variant (a step timed by the same
 ``callback_on_step_end`` in both) and the overhead per step from the median of
 paired whole-request differences (each instrumented call against the bare
@@ -12,6 +14,7 @@ the median of the paired instrumented/bare request times, each with a bootstrap
 model's few-step shape and FirstBlockCache with true CFG.  ``--hooks-only``
 measures just the hooks' own cost on a stub pipeline with no compute (seconds):
 per extra step (``hooks_per_step_us``) and once per request, per configuration.
+The ``stream`` case is ``bench stream`` (per chunk of the causal FAR pipeline).
 The ``two_ranks`` case runs two gloo ranks with the rank timing of today and of
 before side by side (exporter/bench_ranks.py).
 """
@@ -27,17 +30,20 @@ from typing import Any
 from stepwatch.exporter import bench
 
 TWO_RANKS = "two_ranks"
+STREAM = "stream"  # the chunked causal FAR pipeline, per chunk (exporter/bench_stream.py)
+EXTRA_CASES = (TWO_RANKS, STREAM)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cases", nargs="+", default=[*bench.DEFAULT_CASES, TWO_RANKS], metavar="CASE",
+    p.add_argument("--cases", nargs="+", default=[*bench.DEFAULT_CASES, *EXTRA_CASES], metavar="CASE",
                    help="real-pipeline cases: " + "; ".join(f"{k} = {c.shape}" + (f" with {c.cache}" if c.cache !=
                                                                                     "none" else "")
                                                             for k, c in bench.REAL_CASES.items())
                    + f"; or SIZExSTEPS for a plain square case; {TWO_RANKS} = two ranks, the rank timing now vs "
-                   "before vs bare (default: all named cases)")
+                   f"before vs bare; {STREAM} = the chunked video pipeline per chunk, as `bench stream` "
+                   "(default: all named cases)")
     p.add_argument("--rounds", type=int, default=0,
-                   help="interleaved rounds per case (default: 160 up to 256^2, 48 up to 512^2, else 24)")
+                   help="interleaved rounds per case (default: 160 up to 512^2, else 24)")
     p.add_argument("--hooks-only", action="store_true",
                    help="only the stub pipeline's row: the hooks' own host cost, no model (quick)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
@@ -61,7 +67,7 @@ def _run_cases(cases: list[tuple[str, bench.RealCase]], args: argparse.Namespace
             pairs[case.cache] = bench.pipelines(case.cache)
         rounds = args.rounds or bench.default_rounds(case.size)
         print(f"  running {name}: {case.shape}, {rounds} interleaved rounds...", file=sys.stderr)
-        results.append({"name": name} | bench.run_case(*pairs[case.cache], case, rounds))
+        results.append({"name": name} | bench.run_case(pairs[case.cache], case, rounds))
         _print_case(results[-1])
     return results
 
@@ -82,6 +88,16 @@ def _two_ranks(rounds: int) -> dict[str, Any]:
     return r
 
 
+def _stream(rounds: int) -> dict[str, Any]:
+    from stepwatch.exporter import bench_stream
+
+    print(f"  running {STREAM}: the tiny causal FAR pipeline, {rounds} paired rounds (crossover)...", file=sys.stderr)
+    r = bench_stream.measure(rounds, bench_stream.STEPS)
+    print(f"stream per chunk: bare {r['chunk_ms_bare']:.2f} ms, instrumented {r['chunk_ms_instrumented']:.2f} ms, "
+          f"ratio {r['ratio']:.4f} {r['ci95']}; hooks {r['hooks_us_per_chunk']:.1f} us per chunk")
+    return r
+
+
 def _stub_cases() -> dict[str, dict[str, Any]]:
     """The stub rows per configuration: the hooks' cost per step (hot path, the slope over request
     length) apart from the fixed per-request cost, which a short request spreads over few steps."""
@@ -98,12 +114,13 @@ def _stub_cases() -> dict[str, dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     try:
-        cases = [bench.parse_case(c) for c in args.cases if c != TWO_RANKS]
+        cases = [bench.parse_case(c) for c in args.cases if c not in EXTRA_CASES]
     except ValueError as e:
         print(f"bench overhead: {e}", file=sys.stderr)
         return 2
     results = [] if args.hooks_only else _run_cases(cases, args)
     ranks = None if args.hooks_only or TWO_RANKS not in args.cases else _two_ranks(args.rounds or 40)
+    stream = None if args.hooks_only or STREAM not in args.cases else _stream(args.rounds or 160)
     print("measuring the hooks' own cost on a stub pipeline (no compute)...", file=sys.stderr)
     hooks = bench.hooks_cost()
     print(f"hooks alone (stub pipeline, 4 steps): {hooks['request_us']:.1f} us per request, "
@@ -121,5 +138,6 @@ def run(args: argparse.Namespace) -> int:
             "hooks_per_step_us": {name: r["per_step_us"] for name, r in stub.items()},
             "stub_cases": stub,
             "two_ranks": ranks,
+            "stream": stream,
         }))
     return 0

@@ -334,3 +334,23 @@ def test_warmup_active_follows_the_warmup_phase() -> None:
     with pytest.raises(RuntimeError), inst.warmup():
         raise RuntimeError("a warm-up that failed")
     assert value(scrape(registry), "stepwatch_pipeline_warmup_active") == 0
+
+
+def test_bench_crossover_moves_the_instrumentation_between_the_two_pipelines() -> None:
+    """bench overhead / bench stream: each pipeline spends half the rounds instrumented (two objects built alike
+    differ by a few percent on a shared VM; the crossover cancels it), with a discarded call after each swap."""
+    from stepwatch.exporter.bench import crossover
+    from stepwatch.exporter.instrument import ATTR
+
+    pipes = (StubPipeline(), StubPipeline())
+    seen: list[tuple[int, bool]] = []
+
+    def call(p: Any, r: int) -> int:
+        seen.append((pipes.index(p), ATTR in p.__dict__))
+        return pipes.index(p)
+
+    out, handle = crossover(pipes, call, rounds=4, block=2)
+    assert out == {"bare": [1, 1, 0, 0], "inst": [0, 0, 1, 1]}  # pipeline 0 instrumented first, then 1
+    assert all(instrumented == (i == (0 if n < 6 else 1)) for n, (i, instrumented) in enumerate(seen))
+    assert len(seen) == 4 * 2 + 2 * 2  # two timed calls per round, two discarded per swap
+    assert handle is pipes[1].__dict__[ATTR] and ATTR not in pipes[0].__dict__
