@@ -29,6 +29,7 @@ from stepwatch.alerts.thresholds import PROFILES, Thresholds, load
 
 EVALUATOR_LABEL = "evaluator"
 NODE_LABEL = "node"
+POD_LABEL = "pod"
 
 
 def _profile(th: Thresholds | None, profile: str) -> Any:
@@ -38,21 +39,25 @@ def _profile(th: Thresholds | None, profile: str) -> Any:
     return th.profiles[profile]
 
 
-def _static(job: str, urls: Sequence[str]) -> dict[str, Any]:
+def _static(job: str, urls: Sequence[str], pods: dict[str, str]) -> dict[str, Any]:
+    """One job's static targets; a URL in ``pods`` carries a ``pod`` label (the replica it belongs to)."""
     targets = [_target(u, job) for u in urls]
-    return {"job_name": job, "metrics_path": targets[0][2] or "/metrics",
-            "static_configs": [{"targets": [hostport for _, hostport, _ in targets]}]}
+    groups = [{"targets": [hostport], **({"labels": {POD_LABEL: pods[u]}} if u in pods else {})}
+              for u, (_, hostport, _) in zip(urls, targets, strict=True)]
+    return {"job_name": job, "metrics_path": targets[0][2] or "/metrics", "static_configs": groups}
 
 
 def agent_config(node: str, jobs: dict[str, Sequence[str]], remote_write: Sequence[str], profile: str = "drill",
-                 thresholds: Thresholds | None = None) -> str:
+                 thresholds: Thresholds | None = None, pods: dict[str, str] | None = None) -> str:
     """A node's agent: scrape ``jobs`` ({job: [metrics URLs]}) and remote-write every sample to each central
-    store (``http://host:port``; the receiver's path is added)."""
+    store (``http://host:port``; the receiver's path is added).  ``pods`` ({metrics URL: replica}) labels each
+    replica's targets with its ``pod``, as Kubernetes service discovery does: on one loopback host the instance's
+    host part names no replica, and "is anything else of this pod still up?" needs one."""
     p = _profile(thresholds, profile)
     doc: dict[str, Any] = {
         "global": {"scrape_interval": p.scrape_interval, "scrape_timeout": p.scrape_interval,
                    "external_labels": {NODE_LABEL: node}},
-        "scrape_configs": [_static(job, urls) for job, urls in jobs.items() if urls],
+        "scrape_configs": [_static(job, urls, pods or {}) for job, urls in jobs.items() if urls],
         # A short send deadline: samples reach the evaluators within a scrape or two (the default batches for
         # up to 5 s), and a central store that is down is retried from the agent's WAL when it returns.
         "remote_write": [{"url": f"{u.rstrip('/')}/api/v1/write",

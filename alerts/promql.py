@@ -134,6 +134,8 @@ def text_values(th: Thresholds, spec: AlertSpec, profile: str) -> dict[str, str]
         "lower": num(round(1 - spec.threshold, 9)),
         "for": spec.for_[profile],
         "window": spec.window.get(profile, th.profiles[profile].rate_window),
+        # the capacity formula's factor (alerts.pool_capacity.headroom); other alerts have none
+        "headroom": num(float(spec.extra.get("headroom", 1))),
     }
 
 
@@ -194,8 +196,8 @@ def selector_labels(expr: str) -> dict[str, set[str]]:
 def known_labels(name: str) -> set[str] | None:
     """Label names a series can carry (None: any, e.g. an info metric's free labels)."""
     base = {"job", "instance"}
-    if name == "up":
-        return base
+    if name == "up":  # target labels; pod as service discovery (and the practice fleet's agents) set it
+        return base | {"pod"}
     if ":" in name:  # a recording rule: level:metric:operations, job always kept
         return {"job", *name.split(":", 1)[0].split("_")}
     for m in METRICS:

@@ -72,6 +72,14 @@ def _service_and_rank_series(n: int) -> list[Series]:
     for lab, pool, wait, slo in ((svc[0], "small", 5, 10), (svc[0], "large", 15, 60), (svc[1], "small", 8, 10)):
         series += [Series("stepwatch_queue_estimated_wait_seconds", {**lab, "pool": pool}, const(wait, n)),
                    Series("stepwatch_queue_slo_seconds", {**lab, "pool": pool}, const(slo, n))]
+    # Worker seconds per request: small 0.6 s latency - 0.1 s queued, large 2.5 - 0.5 (100 requests per scrape each).
+    for pool, latency, wait in (("small", 0.6, 0.1), ("large", 2.5, 0.5)):
+        pl = {**svc[0], "pool": pool}
+        series += [Series("stepwatch_service_request_duration_seconds_sum", pl, ramp(100 * latency, n)),
+                   Series("stepwatch_queue_wait_seconds_sum", pl, ramp(100 * wait, n)),
+                   Series("stepwatch_queue_wait_seconds_count", pl, ramp(100, n)),
+                   Series("stepwatch_queue_depth", pl, const(0, n))]
+    series += [Series("stepwatch_service_ready", lab, const(1, n)) for lab in svc]
     for lab, ranks in ((svc[0], (1.0, 1.25)), (svc[1], (2.0, 2.0))):
         for r, t in enumerate(ranks):
             rl = {**lab, "rank": str(r)}
@@ -85,9 +93,14 @@ def _i(k: int, **kw: str) -> dict[str, str]:
     return {**INSTANCES[k], **kw}
 
 
-def _expected_per_window(w: str) -> Samples:
+def _expected_per_window(w: str, scrape_s: int, headroom: float | None) -> Samples:
     """What the rate-window recordings read from the series above, worked out by hand."""
     i, fleet = _i, {"job": SVC, "shape": A}
+    capacity: Samples = {} if headroom is None else {
+        f"pool:stepwatch_service_work_seconds:mean_rate{w}": [
+            ({"job": SVC, "pool": "small"}, 0.5), ({"job": SVC, "pool": "large"}, 2.0)],
+        # 100 requests per scrape in each pool: headroom x (100/s x 0.5 + 100/s x 2.0)
+        f"job:stepwatch_service_instances:needed_rate{w}": [({"job": SVC}, headroom * 250 / scrape_s)]}
     ranks = [(i(0, rank="0"), 1.0), (i(0, rank="1"), 1.25), (i(1, rank="0"), 1.0), (i(1, rank="1"), 1.0)]
     return {
         f"instance_shape:stepwatch_pipeline_step_duration_seconds:mean_rate{w}": [
@@ -102,6 +115,12 @@ def _expected_per_window(w: str) -> Samples:
         f"instance_rank:stepwatch_rank_busy_seconds:ratio_to_fastest_rate{w}": ranks,
         f"pool:stepwatch_service_requests:error_ratio_rate{w}": [
             ({"job": SVC, "pool": "large"}, 0.1), ({"job": SVC, "pool": "small"}, 0.0)],
+        # two instances at 0.25 and 0.75 s per step: their median 0.5 (quantile interpolates)
+        f"shape:stepwatch_pipeline_step_duration_seconds:median_instance_rate{w}": [(fleet, 0.5)],
+        f"shape:stepwatch_pipeline_step_duration_seconds:instances_rate{w}": [(fleet, 2)],
+        f"instance_shape:stepwatch_pipeline_step_duration_seconds:ratio_to_fleet_median_rate{w}": [
+            (i(0, shape=A), 0.5), (i(1, shape=A), 1.5)],
+        **capacity,
     }
 
 
@@ -115,6 +134,7 @@ def _expected_gauges() -> Samples:
         "instance_rank:stepwatch_rank_step_duration_seconds:ratio_to_fastest": [
             (i(0, rank="0"), 1.0), (i(0, rank="1"), 1.25), (i(1, rank="0"), 1.0), (i(1, rank="1"), 1.0)],
         "instance:stepwatch_rank_step_duration_seconds:skew_ratio": [(i(0), 0.25), (i(1), 0.0)],
+        "job:stepwatch_service_instances:ready": [({"job": SVC}, 2)],
     }
 
 
@@ -124,8 +144,10 @@ def _recording_test(th: Thresholds, profile: str) -> dict[str, Any]:
     at = int(math.ceil((max(parse_duration(w) for w in windows(th)) + 2 * s) / s) * s)
     n = at // s + 2
     expect: Samples = {}
+    capacity = th.alerts.get("pool_capacity")
+    headroom = float(capacity.extra.get("headroom", 1.3)) if capacity is not None else None
     for w in windows(th):
-        expect.update(_expected_per_window(w))
+        expect.update(_expected_per_window(w, s, headroom))
     expect.update(_expected_gauges())
     tests = []
     for record, samples in expect.items():

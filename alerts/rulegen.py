@@ -126,6 +126,40 @@ def _ranks_and_errors(w: str) -> list[Recording]:
     ]
 
 
+def _fleet(w: str, headroom: float | None) -> list[Recording]:
+    """Each instance against the fleet (the median instance per shape), and the pool's capacity: the seeds' formula,
+    instances needed = QPS x worker seconds per request x headroom (none without ``alerts.pool_capacity``)."""
+    mean = f"instance_shape:{STEP}:mean_rate{w}"
+    median = f"shape:{STEP}:median_instance_rate{w}"
+    out = [
+        Recording(median, f"quantile by (job, shape) (0.5, {mean})",
+                  f"the median instance's mean seconds per step over {w}, per shape (the fleet's typical instance)"),
+        Recording(f"shape:{STEP}:instances_rate{w}", f"count by (job, shape) ({mean})",
+                  f"instances that ran steps of the shape over {w} (a median of fewer than three names no outlier)"),
+        Recording(f"instance_shape:{STEP}:ratio_to_fleet_median_rate{w}",
+                  f"  {mean}\n/ on (job, shape) group_left\n  {median}",
+                  f"each instance's mean step time / the median instance's, per shape over {w}; 1 = typical"),
+    ]
+    if headroom is None:
+        return out
+    work = f"pool:stepwatch_service_work_seconds:mean_rate{w}"
+    worked = (f"  {sum_rate('stepwatch_service_request_duration_seconds_sum', w, 'job, pool')}\n"
+              f"- {sum_rate('stepwatch_queue_wait_seconds_sum', w, 'job, pool')}")
+    arrivals = (f"{sum_rate('stepwatch_service_requests_total', w, 'job, pool')}\n"
+                f"    + on (job, pool) sum by (job, pool) (deriv(stepwatch_queue_depth[{w}]))")
+    return [
+        *out,
+        Recording(work, over_positive(f"(\n{worked}\n)", sum_rate("stepwatch_queue_wait_seconds_count", w,
+                                                                      "job, pool"), "job, pool"),
+                  f"worker seconds per request of a pool over {w}: request time minus queue wait, per request a "
+                  "worker took (what one request costs an instance)"),
+        Recording(f"job:stepwatch_service_instances:needed_rate{w}",
+                  f"{num(headroom)} * sum by (job) (\n    (\n    {arrivals}\n    )\n  * on (job, pool)\n    {work}\n)",
+                  f"instances the pool needs over {w}: (requests answered + queue growth) per second x worker "
+                  f"seconds per request x {num(headroom)} (the seeds' capacity formula)"),
+    ]
+
+
 def _gauge_recordings() -> list[Recording]:
     """Ratios of gauges (no window): queue wait against the SLO, rank step time against the fastest."""
     return [
@@ -141,14 +175,18 @@ def _gauge_recordings() -> list[Recording]:
                   f"  (max by (job, instance) ({RANK_STEP}) - min by (job, instance) ({RANK_STEP}))\n/\n"
                   f"  min by (job, instance) ({RANK_STEP} > 0)",
                   "(slowest - fastest) / fastest rank step time of the last request, per instance"),
+        Recording("job:stepwatch_service_instances:ready", "sum by (job) (stepwatch_service_ready)",
+                  "instances of a pool (job) that finished warm-up and serve"),
     ]
 
 
 def recording_rules(th: Thresholds) -> list[Recording]:
     """Recording rules shared by both profiles (one set per rate window, then the gauge-based ones)."""
     out: list[Recording] = []
+    capacity = th.alerts.get("pool_capacity")
+    headroom = float(capacity.extra.get("headroom", 1.3)) if capacity is not None else None
     for w in windows(th):
-        out += _step_and_cache(w) + _mfu(w) + _ranks_and_errors(w)
+        out += _step_and_cache(w) + _mfu(w) + _ranks_and_errors(w) + _fleet(w, headroom)
     return out + _gauge_recordings()
 
 

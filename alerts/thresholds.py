@@ -23,7 +23,7 @@ ALERT_PREFIX = "Stepwatch"
 # the rule files all follow it.
 SUBSYSTEMS = ("service", "pipeline", "quality", "monitoring")
 # ${...} placeholders a summary or description may use (filled per profile by the generator).
-TEXT_PLACEHOLDERS = ("threshold", "threshold_pct", "upper", "lower", "for", "window")
+TEXT_PLACEHOLDERS = ("threshold", "threshold_pct", "upper", "lower", "for", "window", "headroom")
 _DURATION = re.compile(r"^(\d+)(ms|s|m|h)$")
 _CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]+$")
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")

@@ -120,6 +120,49 @@ def queue_row(b: Board) -> None:
     _worker_stall_panel(b)
 
 
+def fleet_row(b: Board) -> None:
+    """The pool's capacity by the seeds' formula: instances needed against instances ready."""
+    pc = b.th.alert("pool_capacity")
+    window = b.th.profiles["production"].rate_window  # recorded in both rule files under the same names
+    needed, ready = f"job:stepwatch_service_instances:needed_rate{window}", "job:stepwatch_service_instances:ready"
+    b.row("Fleet: capacity")
+    b.timeseries(
+        pc.panel, f"""Instances the pool needs (requests per second, plus queue growth, x worker seconds per
+        request x {num(float(pc.extra.get('headroom', 1.3)))}, over {window}) against the instances ready.
+        Healthy: needed under ready. Needed above ready for minutes ({pc.name}): add instances before the queues
+        grow; they take minutes to load and compile.""", "short",
+        [T(needed, "needed ({{job}})"), T(ready, "ready ({{job}})", "limit")],
+        alerts=["pool_capacity"], min_=0)
+    b.timeseries(
+        "Demand and seconds per request, by pool", f"""What the needed line is made of: requests per second per
+        pool (all answers, 429s included: they are demand too) and the worker seconds one request costs (latency
+        minus queue wait, over {window}). A rising request rate is more load; rising seconds per request are
+        slower instances or larger requests.""", "short",
+        [T(sum_rate(sel("stepwatch_service_requests_total", F_POOL), RATE, "job, pool"), "{{pool}} requests/s"),
+         T(sel(f"pool:stepwatch_service_work_seconds:mean_rate{window}", F_POOL), "{{pool}} seconds/request")],
+        min_=0)
+
+
+def fleet_instances_row(b: Board) -> None:
+    """Each instance against the median instance of its shape: the outlier stands out from the lines at 100%."""
+    sl = b.th.alert("instance_slow")
+    step = mean_step_time(RATE, "job, instance, shape", F_SHAPE)
+    mine = mean_step_time(RATE, "job, instance, shape", INST, F_SHAPE)
+    b.row("Fleet: instances side by side")
+    b.timeseries(
+        sl.panel, f"""Each instance's mean step time per shape as a share of the median instance's for that shape
+        (all instances, whatever the instance filter). Healthy: every line near 100%; one line above
+        {pct(1 + sl.threshold)} with the others at 100% is one bad instance ({sl.name}: a neighbour, a throttled
+        GPU, another build); every line moving together is the load, not an instance.""", "percentunit",
+        [T(f"  {mine}\n/ on (job, shape) group_left\n  quantile by (job, shape) (0.5, {step})",
+           "{{instance}} {{shape}}")],
+        alerts=["instance_slow"], lines=[(1 + sl.threshold, RED)], min_=0)
+    b.timeseries(
+        "Per-step time by instance", """Each instance's mean seconds per step per shape, side by side (the
+        numbers behind the share on the left). Healthy: instances of a shape together.""", "s",
+        [T(mine, "{{instance}} {{shape}}")], min_=0)
+
+
 def _worker_stall_panel(b: Board) -> None:
     ws = b.th.alert("worker_stalled")
     floor = stall_floor(ws, "production")  # one board for both; the drill stack's shorter floor is in its rules
@@ -614,8 +657,9 @@ def video_quality_row(b: Board) -> None:
 
 # Each subsystem's rows, in the order they appear; the subsystems in SUBSYSTEMS order.
 ROWS: dict[str, list[Row]] = {
-    "service": [traffic_row, queue_row, video_row],
-    "pipeline": [denoising_row, compile_row, cache_row, distilled_row, stream_row, ranks_row, memory_row],
+    "service": [traffic_row, queue_row, fleet_row, video_row],
+    "pipeline": [denoising_row, fleet_instances_row, compile_row, cache_row, distilled_row, stream_row, ranks_row,
+                 memory_row],
     "quality": [quality_row, video_quality_row],
     "monitoring": [health_row],
 }

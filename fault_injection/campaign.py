@@ -18,13 +18,13 @@ from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
 from stepwatch.fault_injection.drills import DrillResult, Runner, Triage, calibrate_baselines
 from stepwatch.fault_injection.recording import Recording, StackKey  # (ranks, compile backend or "", stream probe)
-from stepwatch.fault_injection.registry import ALL_DRILLS, DRILLS, RIVAL_DRILLS, SEED_DRILLS
+from stepwatch.fault_injection.registry import ALL_DRILLS, DRILLS, FLEET_DRILL_NAMES, RIVAL_DRILLS, SEED_DRILLS
 from stepwatch.fault_injection.report import write_report
 from stepwatch.fault_injection.stack import LocalStack, StackUrls
 
 # Sequence parallelism on CPU: compile off (each rank would compile), warm-up of the traffic shapes only.
 MULTI_RANK_OVERRIDES: dict[str, Any] = {"compile": {"enabled": False}, "warmup": ["256x256", "512x512"]}
-GROUPS = {"all": ALL_DRILLS, "seeds": SEED_DRILLS, "rivals": RIVAL_DRILLS}
+GROUPS = {"all": ALL_DRILLS, "seeds": SEED_DRILLS, "rivals": RIVAL_DRILLS, "fleet": FLEET_DRILL_NAMES}
 
 
 def expand(names: list[str]) -> list[str]:
@@ -102,8 +102,11 @@ class Campaign:
 
     def run(self, names: list[str]) -> Path:
         """Every drill in ``names``; the path of the final report."""
-        for key, group in sorted(by_stack(names, self.compile_backend).items()):
+        fleet = [n for n in names if DRILLS[n].fleet]
+        for key, group in sorted(by_stack([n for n in names if n not in fleet], self.compile_backend).items()):
             self._run_group(key, group)
+        if fleet:
+            self._run_fleet(fleet)
         return write_report(self.out, self.results, self.th, stack=None, snapshots=False,
                             progress=self.progress, stacks=self.stacks, keep_snapshots=True)
 
@@ -134,6 +137,29 @@ class Campaign:
                                 "workdir": str(stack.workdir)})
             write_report(self.out, self.results, self.th, stack=stack, snapshots=self.snapshots,
                          progress=self.progress, stacks=self.stacks)
+        finally:
+            stack.stop()
+
+    def _run_fleet(self, group: list[str]) -> None:
+        """The fleet drills on one fleet start (not recorded as triage scenarios: the recorder reads one instance)."""
+        from stepwatch.fault_injection.fleet import FleetStack
+        from stepwatch.fault_injection.fleet_drills import run_fleet_drills
+
+        stack = FleetStack(self.out / "fleet", progress=self.progress)
+        self.progress(f"bringing up the practice fleet for {', '.join(group)}")
+        try:
+            stack.start()
+        except Exception as e:
+            self.progress(f"the fleet did not come up: {e}")
+            self.results += not_started(group, self.th, e)
+            return
+        try:
+            self.results += run_fleet_drills(stack, [DRILLS[n](self.th, variant=self.variant) for n in group],
+                                             self.progress, self.triage)
+            self.stacks.append({"fleet": True, "balancer": stack.balancer_url, "evaluators": stack.evaluators,
+                                "alertmanagers": stack.alertmanagers, "workdir": str(stack.workdir)})
+            write_report(self.out, self.results, self.th, stack=None, snapshots=False, progress=self.progress,
+                         stacks=self.stacks)
         finally:
             stack.stop()
 

@@ -147,6 +147,7 @@ class Drill:
     # skips the calibration (70 s of steady traffic; each drill still waits for its own steady traffic).
     reads_baselines = True
     stream_probe = False  # its alert reads the sidecar's drift probe: the stack runs it (LocalStack.stream_probe)
+    fleet = False  # it runs on the practice fleet (fault_injection/fleet.py), not on a one-instance stack
     health_turns_red = False  # the fault itself makes /readyz (or /healthz) fail: checked, not a failure
     # Answers the baseline traffic may get while the fault is in (runbooks/drills.md: every request that is not
     # the fault's own answers 200); a drill whose fault is the whole service widens it and says why.

@@ -21,7 +21,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +33,10 @@ import yaml
 from stepwatch import httpclient
 from stepwatch.alerts import fleet as fcfg
 from stepwatch.alerts import stack as cfgs
+from stepwatch.alerts.thresholds import load as load_thresholds
+from stepwatch.alerts.thresholds import parse_duration
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.stack import DRILL_SERVICE, Child, WebhookReceiver, free_port
+from stepwatch.fault_injection.stack import DRILL_SERVICE, Child, Traffic, WebhookReceiver, free_port
 from stepwatch.promapi import Alertmanager, Prometheus
 from stepwatch.service.balancer import BALANCER_JOB, haproxy_argv, haproxy_config
 
@@ -77,6 +81,8 @@ class FleetStack:
     evaluators: list[str] = field(default_factory=list)
     alertmanagers: list[str] = field(default_factory=list)
     webhook: WebhookReceiver | None = None
+    _argv: dict[str, tuple[list[str], dict[str, str] | None]] = field(default_factory=dict)
+    active_traffic: Traffic | None = None
     evaluator_rss_empty: float = 0.0  # evaluator a's resident bytes before any agent wrote (the scale table's zero)
 
     def __post_init__(self) -> None:
@@ -113,11 +119,15 @@ class FleetStack:
                       f"alertmanagers {', '.join(self.alertmanagers)}")
 
     def stop(self) -> None:
-        for c in reversed(self.children):
+        """Every child stopped at once (each gets its SIGTERM grace; one after another took ~50 s)."""
+        def stop_one(c: Child) -> None:
             try:
                 c.stop()
             except Exception:  # keep stopping the others
                 log.exception("stopping %s", c.name)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(self.children))) as pool:
+            list(pool.map(stop_one, reversed(self.children)))
         self.children.clear()
         if self.webhook is not None:
             self.webhook.stop()
@@ -125,9 +135,77 @@ class FleetStack:
 
     # ----- the parts ------------------------------------------------------------------------
     def _child(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        self._argv[name] = (argv, env)
         c = Child(name, argv, self.workdir / f"{name}.log", env=env)
         self.children.append(c)
         return c
+
+    # ----- faults on the parts (fault_injection/fleet_drills.py) -----------------------------
+    def crash(self, name: str) -> None:
+        """SIGKILL a child and its group (``replica-1``, ``replica-1-sidecar``, ``alertmanager-1``, ``central-a``)."""
+        child = self._find(name)
+        child.crash()
+        self.children.remove(child)
+
+    def restart(self, name: str, ready: Callable[[], bool], timeout: float = 300.0) -> None:
+        """A crashed (or stopped) child again with its argv, its port and its data directory; waits for ``ready``."""
+        if any(c.name == name for c in self.children):
+            self.crash(name)
+        argv, env = self._argv[name]
+        c = Child(name, argv, self.workdir / f"{name}.restarted-{time.time():.0f}.log", env=env)
+        self.children.append(c)
+        self._wait(ready, f"{name} (restarted)", time.time() + timeout)
+
+    def _find(self, name: str) -> Child:
+        for c in self.children:
+            if c.name == name:
+                return c
+        raise KeyError(f"the fleet has no running {name}; children: {', '.join(c.name for c in self.children)}")
+
+    def child_pid(self, name: str) -> int:
+        """The pid (and process group) of a running child."""
+        return int(self._find(name).proc.pid)
+
+    def replica(self, name: str) -> Replica:
+        return next(r for r in self.members if r.name == name)
+
+    @property
+    def scrape_interval_s(self) -> float:
+        return parse_duration(load_thresholds().profiles[self.profile].scrape_interval, "scrape_interval")
+
+    @property
+    def group_interval_s(self) -> float:
+        return parse_duration(load_thresholds().profiles[self.profile].group_interval, "group_interval")
+
+    # ----- what the drill runner reads (fault_injection/drills.Runner, as on a LocalStack) -----
+    @property
+    def prom(self) -> Prometheus:
+        """Evaluator a: the drills and triage query the central store, as a fleet's on-call does."""
+        return Prometheus(self.evaluators[0])
+
+    @property
+    def service_url(self) -> str:
+        return self.balancer_url
+
+    def healthy(self) -> bool:
+        """The fleet serves: the balancer has a ready replica behind it."""
+        return httpclient.ok(self.balancer_url + "/readyz", timeout=5)
+
+    def knobs(self, **knobs: Any) -> dict[str, Any]:
+        raise NotImplementedError("fleet drills set no knobs (per-shape baselines are a one-instance stack's)")
+
+    @contextmanager
+    def traffic(self, bodies: list[dict[str, Any]] | None = None, concurrency: int = 2,
+                pause: float = 0.0) -> Iterator[Traffic]:
+        """Clients through the balancer (small images: three workers share two cores)."""
+        t = Traffic(self.balancer_url, bodies or [{"prompt": "a red bicycle", "size": "256x256"}], concurrency,
+                    pause).start()
+        self.active_traffic = t
+        try:
+            yield t
+        finally:
+            t.stop()
+            self.active_traffic = None
 
     def _wait(self, ok: Callable[[], bool], what: str, deadline: float) -> None:
         while time.time() < deadline:
@@ -204,7 +282,8 @@ class FleetStack:
                     BALANCER_JOB: [f"{self.balancer_metrics_url}/metrics"] if n == 0 else []}
             port = free_port()
             cfg = self.workdir / f"agent-{node}.yml"
-            cfg.write_text(fcfg.agent_config(node, jobs, self.evaluators, self.profile))
+            pods = {f"{u}/metrics": r.name for r in mine for u in (r.service_url, r.sidecar_url)}
+            cfg.write_text(fcfg.agent_config(node, jobs, self.evaluators, self.profile, pods=pods))
             self._child(f"agent-{node}", fcfg.agent_argv(cfg, self.workdir / f"agent-{node}-data",
                                                          f"127.0.0.1:{port}"))
             self.agents.append(f"http://127.0.0.1:{port}")

@@ -86,6 +86,11 @@ def targets_up() -> str:
     return "up"
 
 
+def up_samples(window: str) -> str:
+    """``up`` samples per target over ``window`` (a central-store outage: none of the window may be missing)."""
+    return f"count_over_time(up[{window}])"
+
+
 def requests_ok_by_instance() -> str:
     """Requests answered 200 so far, per service instance (the fleet's load test against its clients' count)."""
     return agg("sum", sel("stepwatch_service_requests_total", 'job="stepwatch-service"', 'code="200"'), "instance")
@@ -115,7 +120,7 @@ def drill_queries(window: str) -> dict[str, str]:
            "service_requests": service_requests(), "rank_stuck": rank_stuck_outside_collectives(),
            "rank_busy_ratio": rank_busy_ratio(window), "pipeline_cpu_wait": pipeline_cpu_wait(window),
            "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(),
-           "requests_ok_by_instance": requests_ok_by_instance()}
+           "requests_ok_by_instance": requests_ok_by_instance(), "up_samples": up_samples(window)}
     for name, q in LATENCY_QUANTILES.items():
         out[f"request_{name}"] = request_quantile(q, window)
     return out

@@ -1,5 +1,6 @@
 """Every drill by name: the seeds' three, the ones beyond them, the rival faults (fault_injection/rivals.py), and
-the video and few-step ones (fault_injection/video_drills.py), the streaming ones (fault_injection/stream_drills.py).
+the video and few-step ones (fault_injection/video_drills.py), the streaming ones (fault_injection/stream_drills.py),
+the fleet ones (fault_injection/fleet_drills.py).
 
 ``stepwatch drill`` and the scenario recorder read the drills from here; each drill's alerts, cause and
 knob values come from its block in runbooks/drills.md.
@@ -8,15 +9,18 @@ knob values come from its block in runbooks/drills.md.
 from __future__ import annotations
 
 from stepwatch.fault_injection.drills import SEED_FAULTS, Drill
+from stepwatch.fault_injection.fleet_drills import FLEET_DRILLS
 from stepwatch.fault_injection.rivals import RIVALS
 from stepwatch.fault_injection.stream_drills import STREAM_DRILLS
 from stepwatch.fault_injection.video_drills import VIDEO_DRILLS
 
 # The rivals last: gpu-throttle must be the last drill on its stack (its throttle stays in the look-back).
-DRILLS: dict[str, type[Drill]] = {d.name: d for d in (*SEED_FAULTS, *VIDEO_DRILLS, *STREAM_DRILLS, *RIVALS)}
+DRILLS: dict[str, type[Drill]] = {d.name: d for d in (*SEED_FAULTS, *VIDEO_DRILLS, *STREAM_DRILLS, *FLEET_DRILLS,
+                                                     *RIVALS)}
 SEED_DRILLS = ("cache-threshold", "off-menu-resolution", "vae-tiling-oom")
 # Run by name only: on 2 CPU cores the request computes ~90 s before it runs out of memory (four 2048^2
 # images), past the 60 s goal; its recording is still a triage case (a GPU fails it in seconds).
 BY_NAME_ONLY = ("shape-too-large",)
 ALL_DRILLS = tuple(n for n in DRILLS if n not in BY_NAME_ONLY)
 RIVAL_DRILLS = tuple(d.name for d in RIVALS if d.name not in BY_NAME_ONLY)
+FLEET_DRILL_NAMES = tuple(d.name for d in FLEET_DRILLS)  # on the practice fleet (campaign: one fleet start)

@@ -289,6 +289,13 @@ class Traffic:
             self._threads.append(t)
         return self
 
+    def add_client(self) -> None:
+        """One more client, now (a ramp of load: the pool-short drill)."""
+        t = threading.Thread(target=self._client, args=(len(self._threads),), daemon=True,
+                             name=f"stepwatch-traffic-{len(self._threads)}")
+        t.start()
+        self._threads.append(t)
+
     def _client(self, i: int) -> None:
         """One client on one kept-alive connection, as an SDK client sends; 429s wait Retry-After (at most 2 s)."""
         k = i
@@ -299,7 +306,7 @@ class Traffic:
                     self._stop.wait(min(float(headers.get("Retry-After", "1")), 2.0))
                 elif self.pause:
                     self._stop.wait(self.pause)
-                k += self.concurrency
+                k += max(1, self.concurrency)
 
     def _send(self, body: dict[str, Any], via: httpx.Client) -> tuple[int, Mapping[str, str]]:
         t = time.time()

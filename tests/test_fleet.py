@@ -4,7 +4,9 @@ answered, spread evenly, and counted on both central evaluators as the clients s
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -63,24 +65,31 @@ def test_scale_rows_grow_linearly_and_shard_past_the_budget() -> None:
     assert rows[3]["advice"].startswith(f"shard: {shards} evaluator pairs")
 
 
-@pytest.mark.heavy
-def test_load_through_the_balancer_at_three_replicas(tmp_path: Path) -> None:
-    from stepwatch.fault_injection.bench_fleet import measure
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One fleet start for the load test and the fleet drills (a start costs ~35 s on 2 cores)."""
     from stepwatch.fault_injection.fleet import FleetStack
+
+    with FleetStack(tmp_path_factory.mktemp("fleet"), replicas=3) as f:
+        yield f
+
+
+@pytest.mark.heavy
+def test_load_through_the_balancer_at_three_replicas(fleet: Any) -> None:
+    from stepwatch.fault_injection.bench_fleet import measure
     from stepwatch.promapi import Prometheus
 
-    with FleetStack(tmp_path / "fleet", replicas=3) as fleet:
-        for url in fleet.evaluators:  # every target reached both evaluators through the node agents
-            up = Prometheus(url).query("up")
-            assert len(up) == 7 and all(s.value == 1 for s in up), up
-            assert {s.labels["node"] for s in up} == {"node-0", "node-1"}
-        for url in fleet.alertmanagers:  # the two Alertmanagers gossip as one cluster
-            status = httpx.get(url + "/api/v2/status", timeout=5).json()
-            assert status["cluster"]["status"] == "ready" and len(status["cluster"]["peers"]) == 2, status
-        r = measure(fleet, requests=30, concurrency=3)
-        from stepwatch.fault_injection.bench_fleet import scale
+    for url in fleet.evaluators:  # every target reached both evaluators through the node agents
+        up = Prometheus(url).query("up")
+        assert len(up) == 7 and all(s.value == 1 for s in up), up
+        assert {s.labels["node"] for s in up} == {"node-0", "node-1"}
+    for url in fleet.alertmanagers:  # the two Alertmanagers gossip as one cluster
+        status = httpx.get(url + "/api/v2/status", timeout=5).json()
+        assert status["cluster"]["status"] == "ready" and len(status["cluster"]["peers"]) == 2, status
+    r = measure(fleet, requests=30, concurrency=3)
+    from stepwatch.fault_injection.bench_fleet import scale
 
-        s = scale(fleet)
+    s = scale(fleet)
     assert r["answered"] == r["sent"] == 60, r["codes"]
     assert r["spread"] <= 0.2, r["balancer_per_replica"]  # within 20% of even
     lb, direct = r["balancer_per_replica"], 10  # direct requests go round robin: 10 per replica
@@ -88,9 +97,38 @@ def test_load_through_the_balancer_at_three_replicas(tmp_path: Path) -> None:
         port = rep.service_url.rsplit(":", 1)[1]
         assert r["central_counted"][f"127.0.0.1:{port}"] == lb[f"{rep.name}:{port}"] + direct, r
     assert r["balancer_p50_ms"] > 0 and r["direct_p50_ms"] > 0
-    assert 0 < r["proxy_added_ms"] < 50  # haproxy's own cost on a health check: well under a generation's
+    # haproxy's own cost on a health check: well under a generation's; a loopback hop is a fraction of a millisecond,
+    # within the noise of a shared 2-core VM (one run read -0.03 ms), so only its size is checked
+    assert -2 < r["proxy_added_ms"] < 50
     # The scale table's inputs were measured, not assumed.
     assert s["series_per_pod"]["service"] > 100 and s["series_per_pod"]["sidecar"] >= 1  # sidecars: no GPU, no probe
     assert s["samples_per_s"] > 0 and s["bytes_per_head_series"] > 0 and s["wire_bytes_per_sample"] > 0
     assert s["production_pod"]["pod"] > s["series_per_pod"]["pod"]
     assert [row["series"] for row in s["production"]] == sorted(row["series"] for row in s["production"])
+
+
+@pytest.mark.heavy
+def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
+    """The five fleet drills on the running fleet: each detected within the goal, delivered, triaged right, nothing
+    else critical, resolved; their own checks hold (routed around, exactly one notification, no sample of the
+    outage lost, only the crowded instance named, the capacity alert before the queue-wait alert)."""
+    from stepwatch.alerts.thresholds import load
+    from stepwatch.fault_injection.fleet_drills import FLEET_DRILLS, run_fleet_drills
+    from stepwatch.triage.drill_hook import triage_for_drill
+
+    th = load()
+    results = run_fleet_drills(fleet, [d(th) for d in FLEET_DRILLS], triage=triage_for_drill)
+    for r in results:
+        assert r.passed, (r.name, r.failures, r.checks, r.notes)
+        assert r.time_to_detect_s is not None and r.time_to_detect_s <= 60
+    by = {r.name: r for r in results}
+    assert by["replica-lost"].triage_cause == "host_down" and by["replica-lost"].checks["routed_around"]
+    assert by["replica-lost"].expected_labels["pod"] == "replica-1"
+    assert by["alertmanager-peer-lost"].details["notifications"] == 1
+    assert by["central-store-outage"].details["outage_samples_min"] >= by["central-store-outage"].details[
+        "outage_samples_expected"] - 1
+    bad = by["bad-instance"]
+    assert bad.triage_cause == "bad_instance" and bad.details["slow_instances"] == [bad.details["crowded_instance"]]
+    short = by["pool-short"]
+    assert short.triage_cause == "under_provisioned" and short.checks["capacity_before_queue_wait"]
+    assert short.details["queue_wait_after_s"] > short.time_to_detect_s

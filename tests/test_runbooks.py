@@ -29,7 +29,7 @@ EXAMPLE_LABELS = {"job": "stepwatch-service", "instance": "10.0.0.1:8000", "shap
                   "pool": "large", "device": "cuda:0", "gpu": "0", "rank": "1", "stage": "vae_decode",
                   "probe_set": "default", "instance_id": "svc-a", "stat": "p10", "phase": "serving",
                   "reason": "timeout", "component": "scheduler.step", "cache": "first_block_cache",
-                  "outcome": "failed"}
+                  "outcome": "failed", "pod": "replica-1"}
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,10 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       # video jobs and few-step serving
                                       "video_vae_untiled", "cache_on_distilled",
                                       # streaming sessions
-                                      "stream_stall", "kv_window_too_long", "drift"]
+                                      "stream_stall", "kv_window_too_long", "drift",
+                                      # the practice fleet
+                                      "replica_lost", "alertmanager_peer_lost", "central_store_outage",
+                                      "bad_instance", "pool_short"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:
@@ -283,7 +286,7 @@ def test_a_bad_also_is_refused_naming_the_drill(tmp_path: Path, also: str, messa
 def test_fault_table_links_resolve() -> None:
     text = (RUNBOOKS / "fault-table.md").read_text()
     rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith("| symptom")]
-    assert len(rows) == 12 + 2  # DESIGN section 4, then streaming sessions (seed 002: stalls, a KV window)
+    assert len(rows) == 12 + 2 + 2  # DESIGN section 4, streaming sessions (seed 002: stalls, a KV window), the fleet
     for target in re.findall(r"\]\(([a-z-]+\.md)\)", text):
         assert (RUNBOOKS / target).is_file(), target
     for cause in re.findall(r"`([a-z_0-9]+)`", text):

@@ -23,7 +23,7 @@ from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError, 
 
 # Jobs and instances the scenarios' series come from.
 SVC, SIDECAR = "stepwatch-service", "stepwatch-sidecar"
-I1, I2, SC = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.1:9465"
+I1, I2, I3, SC = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.1:9465"
 
 
 @dataclass

@@ -50,6 +50,6 @@ def _hook_errors_cases(p: Timing) -> list[Case]:
 
 
 ALERTS = (
-    AlertDef("target_down", _down_expr, ("instance",), _down_cases, explains=("target_unreachable",)),
+    AlertDef("target_down", _down_expr, ("instance", "pod"), _down_cases, explains=("target_unreachable",)),
     AlertDef("exporter_errors", _hook_errors_expr, ("instance", "component"), _hook_errors_cases),
 )

@@ -9,6 +9,7 @@ from prometheus_client.utils import floatToGoString
 from stepwatch.alerts.defs.base import (
     I1,
     I2,
+    I3,
     SVC,
     AlertDef,
     Case,
@@ -217,6 +218,38 @@ def _distilled_cases(p: Timing) -> list[Case]:
                         {"shape": "other", "cache": "mag_cache"})]
 
 
+# ----- one instance slower than the fleet -----------------------------------------------------
+
+def _instance_slow_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    w = rate_window(th, profile)
+    spread = th.diagnosis.get("instance_spread")
+    if spread != spec.threshold:  # one number, read by this alert and by the step-time runbook's fleet check
+        raise ThresholdsError(f"alerts.{spec.key}.threshold ({num(spec.threshold)}) must equal "
+                              f"diagnosis.instance_spread ({spread})")
+    least = int(spec.extra.get("min_instances", 3))
+    return (f"  instance_shape:stepwatch_pipeline_step_duration_seconds:ratio_to_fleet_median_rate{w} - 1\n"
+            f"> {num(spec.threshold)}\nand on (job, shape)\n"
+            f"  shape:stepwatch_pipeline_step_duration_seconds:instances_rate{w} >= {least}")
+
+
+def _instance_slow_cases(p: Timing) -> list[Case]:
+    fire = p.s + p.F
+    n = p.n(fire + p.s)
+    shape, close, pair = "1024x1024_28s_cfg", "768x1344_28s_cfg", "512x512_28s_cfg"
+    rows = [(shape, I1, 1 + p.T * 1.1), (shape, I2, 1.0), (shape, I3, 1.0),  # one outlier of three: fires
+            (close, I1, 1 + p.T * 0.9), (close, I2, 1.0), (close, I3, 1.0),  # just inside: silent
+            (pair, I1, 3.0), (pair, I2, 1.0)]  # two instances: no median to stand out from, silent
+    series = []
+    for sh, inst, factor in rows:
+        lab = {"job": SVC, "instance": inst, "shape": sh}
+        series += [Series("stepwatch_pipeline_step_duration_seconds_count", lab, ramp(10, n)),
+                   Series("stepwatch_pipeline_step_duration_seconds_sum", lab, ramp(10 * 0.1 * factor, n))]
+    return [Case(p.spec.key, f"{I1} at {num(1 + p.T * 1.1)}x the median of three fires; {num(1 + p.T * 0.9)}x "
+                 "does not; 3x of a pair does not", series,
+                 [Expect(fire - p.e, [], "for: not elapsed"),
+                  Expect(fire, [({"job": SVC, "instance": I1, "shape": shape}, p.T * 1.1)])])]
+
+
 ALERTS = (
     AlertDef("step_time_regression", _step_time_expr, ("instance", "shape"), _step_time_cases, rate_based=True,
              explains=("instance_slowdown",)),
@@ -227,4 +260,5 @@ ALERTS = (
     AlertDef("oom", _oom_expr, ("instance", "shape", "stage"), _oom_cases, explains=("out_of_memory",)),
     AlertDef("cache_on_distilled", _distilled_expr, ("instance", "shape", "cache"), _distilled_cases),
     AlertDef("stream_stalling", _stream_stall_expr, ("instance",), _stream_stall_cases, rate_based=True),
+    AlertDef("instance_slow", _instance_slow_expr, ("instance", "shape"), _instance_slow_cases, rate_based=True),
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from stepwatch.alerts.defs.base import (
     I1,
+    I2,
     SVC,
     AlertDef,
     Case,
@@ -135,6 +136,40 @@ def _video_failing_cases(p: Timing) -> list[Case]:
                         {"pool": "clips", "outcome": "failed"}, {"pool": "shorts", "outcome": "failed"}, [done])]
 
 
+# ----- pool capacity --------------------------------------------------------------------------
+
+def _capacity_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    w = rate_window(th, profile)
+    least = int(spec.extra.get("min_instances", 2))
+    return (f"  job:stepwatch_service_instances:needed_rate{w}\n/ on (job)\n"
+            f"  (job:stepwatch_service_instances:ready >= {least})\n> {num(spec.threshold)}")
+
+
+def _capacity_cases(p: Timing) -> list[Case]:
+    """Per job: two ready instances, pool small; requests q/s each at 0.5 worker seconds (0.1 s queued): needed =
+    headroom x 2q x 0.5 against 2 ready, so the ratio is headroom x q x 0.5.  A request rate is only exact once
+    its window is full of samples (a young series' rate reads low), so the alert fires one window in."""
+    fire = p.W + p.s + p.F
+    n = p.n(fire + p.s)
+    headroom = float(p.spec.extra.get("headroom", 1.3))
+    series = []
+    jobs = {"stepwatch-a": (p.T * 1.1, 2), "stepwatch-b": (p.T * 0.9, 2), "stepwatch-c": (p.T * 3, 1)}
+    for job, (ratio, instances) in jobs.items():
+        q = ratio / (headroom * 0.5)
+        for i in (I1, I2)[:instances]:
+            lab = {"job": job, "instance": i, "pool": "small"}
+            series += [Series("stepwatch_service_ready", {"job": job, "instance": i}, const(1, n)),
+                       Series("stepwatch_service_requests_total", {**lab, "code": "200"}, ramp(round(q * p.s, 9), n)),
+                       Series("stepwatch_service_request_duration_seconds_sum", lab, ramp(round(q * p.s * 0.6, 9), n)),
+                       Series("stepwatch_queue_wait_seconds_sum", lab, ramp(round(q * p.s * 0.1, 9), n)),
+                       Series("stepwatch_queue_wait_seconds_count", lab, ramp(round(q * p.s, 9), n)),
+                       Series("stepwatch_queue_depth", lab, const(0, n))]
+    return [Case(p.spec.key, "a pool needing 1.1x its ready instances fires, 0.9x does not, a pool of one at 3x "
+                 "does not", series,
+                 [Expect(p.s + p.F, [], "the window not yet full: a young rate reads low"),
+                  Expect(fire, [({"job": "stepwatch-a"}, p.T * 1.1)])])]
+
+
 ALERTS = (
     # A probe that times out or gets 429 behind the queue is the queue's story.
     AlertDef("queue_wait", _queue_expr, ("instance", "pool"), _queue_cases, explains=("queue_backlog",)),
@@ -142,4 +177,5 @@ ALERTS = (
     AlertDef("worker_stalled", _stalled_expr, ("instance", "pool"), _stalled_cases),
     AlertDef("nonfinite_outputs", _nonfinite_expr, ("instance", "pool"), _nonfinite_cases),
     AlertDef("video_jobs_failing", _video_failing_expr, ("instance", "pool", "outcome"), _video_failing_cases),
+    AlertDef("pool_capacity", _capacity_expr, (), _capacity_cases, rate_based=True),
 )

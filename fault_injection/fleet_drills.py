@@ -1,0 +1,297 @@
+"""Fleet drills: faults of the monitoring system and of a replica, on the practice fleet (fault_injection/fleet.py).
+
+They run on the drill runner of the one-instance stack (fault_injection/drills.Runner): the fleet answers what
+the runner reads (``prom`` is central evaluator a, ``webhook``, ``healthy()`` is the balancer's ``/readyz``,
+``traffic()`` goes through the balancer), so the pass rules are the same: quiet before, detected within the
+goal, the webhook delivered, triage right, nothing else critical, resolved after the restore.  Each drill's
+alerts, cause and limits come from its block in runbooks/drills.md.
+
+- ``replica-lost``: one replica's service (and worker) and sidecar SIGKILLed: TargetDown for that replica,
+  haproxy routes around it, every request is answered (one in flight on it: a 502 or a closed connection);
+- ``alertmanager-peer-lost``: one Alertmanager of the gossip pair killed, then a replica's sidecar: the
+  notification still arrives, exactly once;
+- ``bad-instance``: CPU-bound processes beside one replica's worker: StepwatchInstanceSlow names it alone;
+- ``pool-short``: clients added past the pool's capacity: the capacity alert before the queue-wait alert;
+- ``central-store-outage``: both central evaluators down for 60 s while a sidecar dies: the agents replay their
+  WAL, no scrape sample of the window is missing on either evaluator, and TargetDown fires afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import threading
+import time
+from typing import Any
+
+from stepwatch import httpclient
+from stepwatch.fault_injection import queries
+from stepwatch.fault_injection.drills import Drill, DrillResult, start_neighbours
+from stepwatch.fault_injection.stack import Traffic, starts_at
+from stepwatch.promapi import Alertmanager, Prometheus
+
+
+def _sidecar_ready(stack: Any, replica: str) -> Any:
+    return lambda: httpclient.ok(stack.replica(replica).sidecar_url + "/metrics")
+
+
+def _service_ready(stack: Any, replica: str) -> Any:
+    return lambda: httpclient.ok(stack.replica(replica).service_url + "/readyz")
+
+
+class FleetDrill(Drill):
+    """A drill of the practice fleet; ``stack`` is a FleetStack (typed loosely: the runner's stack protocol)."""
+
+    fleet = True
+    reads_baselines = False
+
+    @property
+    def target(self) -> str:
+        return str(self.spec.inject.get("replica", "replica-1"))
+
+    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
+        """The expected alert for the drill's replica, not another's."""
+        labels = alert.get("labels", {})
+        return bool(labels.get("alertname") == self.expected and labels.get("pod") == self.target)
+
+
+class ReplicaLost(FleetDrill):
+    name = "replica-lost"
+    doc_id = "replica_lost"
+    # A request in flight on the killed replica fails at once: haproxy's 502, or (measured) its client connection
+    # closed without a response; 0 is the traffic's code for that.  after() bounds them by the clients in flight.
+    baseline_accepts = frozenset({200, 502, 0})
+    description = ("One replica's service, worker and sidecar SIGKILLed, as a lost node does: TargetDown names the "
+                   "replica, the balancer routes around it, every request gets an answer.")
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        for part in (self.target, f"{self.target}-sidecar"):
+            stack.crash(part)
+        r.notes.append(f"killed {self.target} (service, worker, sidecar)")
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """With the replica still gone, new requests through the balancer all answer 200."""
+        t = Traffic(stack.balancer_url, [{"prompt": "a red bicycle", "size": "256x256"}], 1).start()
+        try:
+            deadline = time.time() + 30
+            while t.total < 4 and time.time() < deadline:
+                time.sleep(0.2)
+        finally:
+            t.stop()
+        codes = dict(t.codes)
+        r.details["routed_around_codes"] = {str(k): v for k, v in codes.items()}
+        r.checks["routed_around"] = bool(codes) and set(codes) == {200} and not t.errors
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        stack.restart(self.target, _service_ready(stack, self.target))
+        stack.restart(f"{self.target}-sidecar", _sidecar_ready(stack, self.target))
+
+    def after(self, stack: Any, r: DrillResult) -> None:
+        """Only requests in flight on the lost replica failed: at most one per client, every other one answered."""
+        t = stack.active_traffic
+        failed = sum(n for c, n in t.codes.items() if c != 200) if t is not None else 0
+        r.details["failed_in_flight"] = failed
+        r.checks["only_in_flight_failed"] = t is not None and failed <= t.concurrency and t.codes.get(200, 0) > 0
+
+
+class AlertmanagerPeerLost(FleetDrill):
+    name = "alertmanager-peer-lost"
+    doc_id = "alertmanager_peer_lost"
+    description = ("One Alertmanager of the gossip pair killed, then a replica's sidecar: TargetDown still reaches "
+                   "the receiver, exactly once.")
+
+    @property
+    def peer(self) -> int:
+        return int(self.spec.inject.get("alertmanager", 1))
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        stack.crash(f"alertmanager-{self.peer}")
+        stack.crash(f"{self.target}-sidecar")
+        r.notes.append(f"killed alertmanager-{self.peer}, then {self.target}'s sidecar")
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """One notification of the alert: wait two group intervals for a duplicate that must not come."""
+        time.sleep(2 * stack.group_interval_s + 2)
+        notes = [n for n in stack.webhook.snapshot() if n.received >= r.injected_at
+                 and any(a["labels"].get("alertname") == self.expected and a["labels"].get("pod") == self.target
+                         and a.get("status") == "firing" for a in n.alerts)]
+        r.details["notifications"] = len(notes)
+        r.checks["notified_exactly_once"] = len(notes) == 1
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        stack.restart(f"{self.target}-sidecar", _sidecar_ready(stack, self.target))
+        url = stack.alertmanagers[self.peer - 1]
+        stack.restart(f"alertmanager-{self.peer}", Alertmanager(url).ready)
+
+
+class CentralStoreOutage(FleetDrill):
+    name = "central-store-outage"
+    doc_id = "central_store_outage"
+    in_place_when_injected = True  # detection counts from the evaluators' return: nothing can fire before
+    description = ("Both central evaluators down for 60 s while a replica's sidecar dies: the agents keep the "
+                   "samples and replay them, none of the window is missing, TargetDown fires once they are back.")
+
+    @property
+    def outage_s(self) -> float:
+        return float(self.spec.inject.get("outage_seconds", 60))
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        names = [f"central-{e}" for e in ("a", "b")]
+        for n in names:
+            stack.crash(n)
+        r.details["outage_start"] = time.time()
+        time.sleep(min(10.0, self.outage_s / 3))
+        stack.crash(f"{self.target}-sidecar")
+        time.sleep(max(0.0, r.details["outage_start"] + self.outage_s - time.time()))
+        r.details["outage_end"] = time.time()
+        for n, url in zip(names, stack.evaluators, strict=True):
+            stack.restart(n, Prometheus(url).ready)
+        r.notes.append(f"evaluators down {r.details['outage_end'] - r.details['outage_start']:.0f}s; "
+                       f"{self.target}'s sidecar killed during it")
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """Every target's ``up`` samples of the outage window on both evaluators: one per scrape interval."""
+        start, end = r.details["outage_start"], r.details["outage_end"]
+        window = int(end - start)
+        want = window / stack.scrape_interval_s
+        worst: dict[str, float] = {}
+        for url in stack.evaluators:
+            rows = Prometheus(url).query(queries.up_samples(f"{window}s"), at=end)
+            for s in rows:  # the killed sidecar's too: its failed scrapes wrote up = 0
+                worst[f"{url.rsplit(':', 1)[1]} {s.label('job')} {s.label('instance')}"] = s.value
+        short = {k: v for k, v in worst.items() if math.isfinite(v) and v < want - 1}
+        r.details["outage_samples_expected"] = round(want, 1)
+        r.details["outage_samples_min"] = min(worst.values()) if worst else None
+        r.checks["no_samples_lost"] = bool(worst) and not short
+        if short:
+            r.failures.append(f"samples missing in the outage window (expected ~{want:.0f} per target): {short}")
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        stack.restart(f"{self.target}-sidecar", _sidecar_ready(stack, self.target))
+
+
+def _group_pids(leader: int) -> list[int]:
+    """Every process of a child's process group (the service and its worker)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.getpgid(int(d)) == leader:
+                    out.append(int(d))
+            except OSError:
+                continue
+    return out
+
+
+def _pin(pids: list[int], cpus: list[int]) -> None:
+    """Every thread of ``pids`` onto ``cpus`` (``taskset -a``: the worker's torch threads too)."""
+    for pid in pids:
+        subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, cpus)), str(pid)], check=False,
+                       capture_output=True)
+
+
+class BadInstance(FleetDrill):
+    name = "bad-instance"
+    doc_id = "bad_instance"
+    description = ("CPU-bound processes beside one replica's worker (its processes and the neighbours on one CPU; "
+                   "no knob): its steps slow, the others' do not; StepwatchInstanceSlow names it, triage "
+                   "says bad_instance.")
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.instance = ""  # host:port of the crowded replica's service, set at injection
+
+    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
+        labels = alert.get("labels", {})
+        return bool(labels.get("alertname") == self.expected and labels.get("instance") == self.instance)
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        cpu = max(os.sched_getaffinity(0))
+        per_cpu = int(self.spec.inject.get("per_cpu", 2))
+        self.instance = stack.replica(self.target).service_url.removeprefix("http://")
+        pids = _group_pids(stack.child_pid(self.target))
+        _pin(pids, [cpu])
+        r.details["_neighbours"] = start_neighbours([cpu], per_cpu)
+        r.details.update(crowded_instance=self.instance, crowded_cpu=cpu, crowded_pids=pids)
+        r.notes.append(f"{self.target} ({self.instance}) pinned to CPU {cpu} beside {per_cpu} CPU-bound processes")
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """Only the crowded replica is named: the others stay quiet."""
+        named = sorted({a["labels"].get("instance", "") for a in stack.prom.firing()
+                        if a["labels"].get("alertname") == self.expected})
+        r.details["slow_instances"] = named
+        r.checks["only_the_crowded_instance"] = named == [self.instance]
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        for p in r.details.pop("_neighbours", []):
+            p.kill()
+            p.wait()
+        _pin(r.details.get("crowded_pids", []), sorted(os.sched_getaffinity(0)))
+
+
+class PoolShort(FleetDrill):
+    name = "pool-short"
+    doc_id = "pool_short"
+    description = ("Clients added one by one through the balancer past the pool's capacity: the capacity alert "
+                   "fires before the queue-wait alert, triage says under_provisioned.")
+    baseline_accepts = frozenset({200, 429})  # past the hard limit the service sheds load: 429 + Retry-After
+
+    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
+        return bool(alert.get("labels", {}).get("alertname") == self.expected)
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        ramp = self.spec.traffic.get("ramp", {})
+        body = {"prompt": "a crowded harbour", "size": str(ramp.get("size", "512x512"))}
+        clients, every = int(ramp.get("clients", 30)), float(ramp.get("every_seconds", 2))
+        t = Traffic(stack.balancer_url, [body], 0)
+        r.details["_ramp"] = t
+        r.details["ramp"] = {"clients": clients, "every_seconds": every, **body}
+        threading.Thread(target=self._grow, args=(t, clients, every), daemon=True).start()
+
+    @staticmethod
+    def _grow(t: Traffic, clients: int, every: float) -> None:
+        for _ in range(clients):
+            if t._stop.is_set():
+                return
+            t.add_client()
+            time.sleep(every)
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """The ramp goes on until the queue-wait alert fires too (or the goal passes): it must fire second.  Its
+        firing time is Prometheus' (active since + its for:), not when this loop saw it."""
+        spec = self.th.alert("queue_wait")
+        hold = spec.for_seconds(stack.profile)
+        deadline = r.injected_at + self.criteria.goal_s + 30
+        while time.time() < deadline:
+            since = [starts_at(a.get("activeAt")) for a in stack.prom.firing()
+                     if a["labels"].get("alertname") == spec.name]
+            if since and since[0] is not None:
+                r.details["queue_wait_after_s"] = round(min(s for s in since if s is not None) + hold
+                                                        - r.injected_at, 1)
+                break
+            time.sleep(1)
+        queue_after = r.details.get("queue_wait_after_s")
+        r.checks["capacity_before_queue_wait"] = queue_after is not None and r.time_to_detect_s is not None \
+            and queue_after > r.time_to_detect_s
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        t = r.details.pop("_ramp", None)
+        if t is not None:
+            t.stop()
+            r.details["ramp_codes"] = {str(k): v for k, v in sorted(t.codes.items())}
+
+
+FLEET_DRILLS: tuple[type[Drill], ...] = (ReplicaLost, AlertmanagerPeerLost, CentralStoreOutage, BadInstance,
+                                         PoolShort)
+# Steady traffic before each fleet drill: two scrapes.  The one-instance drills' 25 s re-measure per-shape step
+# baselines on it; no fleet drill reads them, and "quiet before" is the runner's own wait.
+FLEET_STEADY_S = 10.0
+
+
+def run_fleet_drills(stack: Any, drills: list[Drill], progress: Any = None, triage: Any = None) -> list[DrillResult]:
+    """The drills one after another on a running FleetStack, with the one-instance drills' runner and rules."""
+    from stepwatch.fault_injection.drills import Runner
+
+    runner = Runner(stack, progress=progress, triage=triage)
+    return [runner.run(d, steady_s=FLEET_STEADY_S) for d in drills]
