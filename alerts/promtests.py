@@ -73,10 +73,10 @@ def _service_and_rank_series(n: int) -> list[Series]:
         series += [Series("stepwatch_queue_estimated_wait_seconds", {**lab, "pool": pool}, const(wait, n)),
                    Series("stepwatch_queue_slo_seconds", {**lab, "pool": pool}, const(slo, n))]
     # Worker seconds per request: small 0.6 s latency - 0.1 s queued, large 2.5 - 0.5 (100 requests per scrape each).
-    for pool, latency, wait in (("small", 0.6, 0.1), ("large", 2.5, 0.5)):
+    for pool, latency, queued in (("small", 0.6, 0.1), ("large", 2.5, 0.5)):
         pl = {**svc[0], "pool": pool}
         series += [Series("stepwatch_service_request_duration_seconds_sum", pl, ramp(100 * latency, n)),
-                   Series("stepwatch_queue_wait_seconds_sum", pl, ramp(100 * wait, n)),
+                   Series("stepwatch_queue_wait_seconds_sum", pl, ramp(100 * queued, n)),
                    Series("stepwatch_queue_wait_seconds_count", pl, ramp(100, n)),
                    Series("stepwatch_queue_depth", pl, const(0, n))]
     series += [Series("stepwatch_service_ready", lab, const(1, n)) for lab in svc]
