@@ -127,6 +127,8 @@ def agg(op: str, selector: str, by: str = "") -> str:
 
 def text_values(th: Thresholds, spec: AlertSpec, profile: str) -> dict[str, str]:
     """Values of the ${...} placeholders in an alert's summary and description."""
+    from stepwatch.alerts.thresholds import capacity_headroom  # thresholds imports this module
+
     return {
         "threshold": num(spec.threshold),
         "threshold_pct": num(round(spec.threshold * 100, 6)),
@@ -134,8 +136,8 @@ def text_values(th: Thresholds, spec: AlertSpec, profile: str) -> dict[str, str]
         "lower": num(round(1 - spec.threshold, 9)),
         "for": spec.for_[profile],
         "window": spec.window.get(profile, th.profiles[profile].rate_window),
-        # the capacity formula's factor (alerts.pool_capacity.headroom); other alerts have none
-        "headroom": num(float(spec.extra.get("headroom", 1))),
+        # the capacity formula's factor (alerts.pool_capacity.headroom); only that alert's text uses it
+        "headroom": num(capacity_headroom(spec)),
     }
 
 

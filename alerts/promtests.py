@@ -25,7 +25,7 @@ from stepwatch.alerts.rulegen import (
     header,
     windows,
 )
-from stepwatch.alerts.thresholds import Thresholds, parse_duration
+from stepwatch.alerts.thresholds import Thresholds, capacity_headroom, parse_duration
 
 __all__ = ["Case", "Expect", "Series", "cases", "test_file"]
 
@@ -145,7 +145,7 @@ def _recording_test(th: Thresholds, profile: str) -> dict[str, Any]:
     n = at // s + 2
     expect: Samples = {}
     capacity = th.alerts.get("pool_capacity")
-    headroom = float(capacity.extra.get("headroom", 1.3)) if capacity is not None else None
+    headroom = capacity_headroom(capacity) if capacity is not None else None
     for w in windows(th):
         expect.update(_expected_per_window(w, s, headroom))
     expect.update(_expected_gauges())

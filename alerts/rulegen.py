@@ -34,7 +34,14 @@ from stepwatch.alerts.promql import (
     sum_rate,
     text_values,
 )
-from stepwatch.alerts.thresholds import PROFILES, AlertSpec, Thresholds, ThresholdsError, parse_duration
+from stepwatch.alerts.thresholds import (
+    PROFILES,
+    AlertSpec,
+    Thresholds,
+    ThresholdsError,
+    capacity_headroom,
+    parse_duration,
+)
 
 __all__ = ["ALERTING_GROUP", "GENERATED_BY", "RECORDING_GROUP", "SEVERITY_MEANING", "Recording", "alert_annotations",
            "alert_labels", "alert_window", "alerting_rule", "dump", "fill", "header", "num", "prometheus_rule",
@@ -184,7 +191,7 @@ def recording_rules(th: Thresholds) -> list[Recording]:
     """Recording rules shared by both profiles (one set per rate window, then the gauge-based ones)."""
     out: list[Recording] = []
     capacity = th.alerts.get("pool_capacity")
-    headroom = float(capacity.extra.get("headroom", 1.3)) if capacity is not None else None
+    headroom = capacity_headroom(capacity) if capacity is not None else None
     for w in windows(th):
         out += _step_and_cache(w) + _mfu(w) + _ranks_and_errors(w) + _fleet(w, headroom)
     return out + _gauge_recordings()

@@ -86,6 +86,14 @@ class AlertSpec:
         return anchor(self.name)
 
 
+CAPACITY_HEADROOM = 1.3  # the seeds' capacity formula: instances = QPS x GPU-seconds per request x 1.3
+
+
+def capacity_headroom(spec: AlertSpec) -> float:
+    """``headroom`` of an alert block (alerts.pool_capacity), the seeds' 1.3 when the block says none."""
+    return float(spec.extra.get("headroom", CAPACITY_HEADROOM))
+
+
 @dataclass(frozen=True)
 class Quality:
     gates_db: dict[str, float]

@@ -38,7 +38,7 @@ from stepwatch.alerts.promql import (
     sum_increase,
     sum_rate,
 )
-from stepwatch.alerts.thresholds import ALERT_PREFIX, SUBSYSTEMS, Thresholds
+from stepwatch.alerts.thresholds import ALERT_PREFIX, SUBSYSTEMS, Thresholds, capacity_headroom
 from stepwatch.dashboards.board import F_INSTANCE, F_POOL, F_SHAPE, GREEN, RED, Board, T
 
 OVERVIEW_UID = "stepwatch-overview"
@@ -128,7 +128,7 @@ def fleet_row(b: Board) -> None:
     b.row("Fleet: capacity")
     b.timeseries(
         pc.panel, f"""Instances the pool needs (requests per second, plus queue growth, x worker seconds per
-        request x {num(float(pc.extra.get('headroom', 1.3)))}, over {window}) against the instances ready.
+        request x {num(capacity_headroom(pc))}, over {window}) against the instances ready.
         Healthy: needed under ready. Needed above ready for minutes ({pc.name}): add instances before the queues
         grow; they take minutes to load and compile.""", "short",
         [T(needed, "needed ({{job}})"), T(ready, "ready ({{job}})", "limit")],

@@ -36,7 +36,14 @@ from stepwatch.alerts import stack as cfgs
 from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.alerts.thresholds import parse_duration
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.stack import DRILL_SERVICE, Child, Traffic, WebhookReceiver, free_port
+from stepwatch.fault_injection.stack import (
+    DRILL_SERVICE,
+    Child,
+    Traffic,
+    WebhookReceiver,
+    free_port,
+    running_traffic,
+)
 from stepwatch.promapi import Alertmanager, Prometheus
 from stepwatch.service.balancer import BALANCER_JOB, haproxy_argv, haproxy_config
 
@@ -198,14 +205,9 @@ class FleetStack:
     def traffic(self, bodies: list[dict[str, Any]] | None = None, concurrency: int = 2,
                 pause: float = 0.0) -> Iterator[Traffic]:
         """Clients through the balancer (small images: three workers share two cores)."""
-        t = Traffic(self.balancer_url, bodies or [{"prompt": "a red bicycle", "size": "256x256"}], concurrency,
-                    pause).start()
-        self.active_traffic = t
-        try:
+        with running_traffic(self, self.balancer_url, bodies or [{"prompt": "a red bicycle", "size": "256x256"}],
+                             concurrency, pause) as t:
             yield t
-        finally:
-            t.stop()
-            self.active_traffic = None
 
     def _wait(self, ok: Callable[[], bool], what: str, deadline: float) -> None:
         while time.time() < deadline:

@@ -252,7 +252,7 @@ class PoolShort(FleetDrill):
     @staticmethod
     def _grow(t: Traffic, clients: int, every: float) -> None:
         for _ in range(clients):
-            if t._stop.is_set():
+            if t.stopped:
                 return
             t.add_client()
             time.sleep(every)

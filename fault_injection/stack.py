@@ -342,9 +342,27 @@ class Traffic:
             t.join(timeout=300)
 
     @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    @property
     def total(self) -> int:
         with self._lock:
             return sum(self.codes.values())
+
+
+@contextmanager
+def running_traffic(holder: Any, url: str, bodies: list[dict[str, Any]], concurrency: int,
+                    pause: float) -> Iterator[Traffic]:
+    """Clients on ``url`` for the ``with`` block, published as ``holder.active_traffic`` meanwhile (what a drill's
+    checks read); the one stack.traffic() of LocalStack and FleetStack."""
+    t = Traffic(url, bodies, concurrency, pause).start()
+    holder.active_traffic = t
+    try:
+        yield t
+    finally:
+        t.stop()
+        holder.active_traffic = None
 
 
 class LocalStack:
@@ -602,15 +620,10 @@ class LocalStack:
     @contextmanager
     def traffic(self, bodies: list[dict[str, Any]] | None = None, concurrency: int = 2,
                 pause: float = 0.0) -> Iterator[Traffic]:
-        t = Traffic(self.service_url, bodies or [{"prompt": "a lighthouse at dusk", "size": "512x512"},
-                                                 {"prompt": "a red bicycle", "size": "256x256"}],
-                    concurrency, pause).start()
-        self.active_traffic = t
-        try:
+        with running_traffic(self, self.service_url, bodies or [{"prompt": "a lighthouse at dusk", "size": "512x512"},
+                                                                {"prompt": "a red bicycle", "size": "256x256"}],
+                             concurrency, pause) as t:
             yield t
-        finally:
-            t.stop()
-            self.active_traffic = None
 
     def logs(self) -> dict[str, str]:
         return {c.name: c.tail() for c in self.children}

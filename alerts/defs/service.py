@@ -20,7 +20,7 @@ from stepwatch.alerts.defs.base import (
     rate_window,
 )
 from stepwatch.alerts.promql import events, num, past_limit, sel, sum_increase
-from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError
+from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError, capacity_headroom
 
 SUBSYSTEM = "service"
 
@@ -151,7 +151,7 @@ def _capacity_cases(p: Timing) -> list[Case]:
     its window is full of samples (a young series' rate reads low), so the alert fires one window in."""
     fire = p.W + p.s + p.F
     n = p.n(fire + p.s)
-    headroom = float(p.spec.extra.get("headroom", 1.3))
+    headroom = capacity_headroom(p.spec)
     series = []
     jobs = {"stepwatch-a": (p.T * 1.1, 2), "stepwatch-b": (p.T * 0.9, 2), "stepwatch-c": (p.T * 3, 1)}
     for job, (ratio, instances) in jobs.items():
