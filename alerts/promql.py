@@ -195,11 +195,18 @@ def selector_labels(expr: str) -> dict[str, set[str]]:
     return out
 
 
+# Series of the fleet's other parts that rules, panels and checks read, with their own labels: haproxy's
+# built-in exporter (the balancer's health check of each replica).
+FOREIGN_SERIES: dict[str, set[str]] = {"haproxy_server_status": {"proxy", "server", "state"}}
+
+
 def known_labels(name: str) -> set[str] | None:
     """Label names a series can carry (None: any, e.g. an info metric's free labels)."""
     base = {"job", "instance"}
-    if name == "up":  # target labels; pod as service discovery (and the practice fleet's agents) set it
-        return base | {"pod"}
+    if name == "up":  # target labels; pod as service discovery (and the practice fleet's agents) set it, node
+        return base | {"pod", "node"}  # as the fleet's agents' external label does
+    if name in FOREIGN_SERIES:
+        return base | {"node"} | FOREIGN_SERIES[name]
     if ":" in name:  # a recording rule: level:metric:operations, job always kept
         return {"job", *name.split(":", 1)[0].split("_")}
     for m in METRICS:

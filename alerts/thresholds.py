@@ -94,6 +94,15 @@ def capacity_headroom(spec: AlertSpec) -> float:
     return float(spec.extra.get("headroom", CAPACITY_HEADROOM))
 
 
+AGENT_JOB = "prometheus-agent"  # the central evaluators' scrape job of the fleet's node agents
+
+
+def agent_job(th: Thresholds) -> str:
+    """The job under which the central evaluators scrape the node agents (``alerts.node_silent.agent_job``)."""
+    spec = th.alerts.get("node_silent")
+    return str(spec.extra.get("agent_job", AGENT_JOB)) if spec is not None else AGENT_JOB
+
+
 @dataclass(frozen=True)
 class Quality:
     gates_db: dict[str, float]

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from stepwatch import catalog
+from stepwatch.alerts.promql import FOREIGN_SERIES
 from stepwatch.alerts.rulegen import recorded_names
 from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.dashboards.model import (
@@ -145,7 +146,7 @@ def lint_expr(expr: str, known: set[str], kinds: Mapping[str, str], defined_vars
 
 def _known(th: Thresholds) -> tuple[set[str], dict[str, str]]:
     kinds: dict[str, str] = {m.name: m.kind for m in catalog.METRICS}
-    return catalog.series_names() | recorded_names(th) | BUILTINS, kinds
+    return catalog.series_names() | recorded_names(th) | BUILTINS | set(FOREIGN_SERIES), kinds
 
 
 Check = Callable[[str], list[str]]

@@ -38,7 +38,7 @@ from stepwatch.alerts.promql import (
     sum_increase,
     sum_rate,
 )
-from stepwatch.alerts.thresholds import ALERT_PREFIX, SUBSYSTEMS, Thresholds, capacity_headroom
+from stepwatch.alerts.thresholds import ALERT_PREFIX, SUBSYSTEMS, Thresholds, agent_job, capacity_headroom
 from stepwatch.dashboards.board import F_INSTANCE, F_POOL, F_SHAPE, GREEN, RED, Board, T
 
 OVERVIEW_UID = "stepwatch-overview"
@@ -141,6 +141,19 @@ def fleet_row(b: Board) -> None:
         [T(sum_rate(sel("stepwatch_service_requests_total", F_POOL), RATE, "job, pool"), "{{pool}} requests/s"),
          T(sel(f"pool:stepwatch_service_work_seconds:mean_rate{window}", F_POOL), "{{pool}} seconds/request")],
         min_=0)
+
+
+def _node_agents_panel(b: Board) -> None:
+    """Each node's agent as the central evaluators scrape it, beside the balancer's view of each replica."""
+    ns = b.th.alert("node_silent")
+    b.timeseries(
+        ns.panel, f"""Each fleet node's Prometheus agent (1 = the central evaluators scrape it) and each replica
+        as the load balancer's health checks see it (1 = up). Healthy: every line at 1. An agent at 0 is a silent
+        node ({ns.name}): its replicas' series stop and their last values stay for five minutes; the balancer's
+        lines tell whether its replicas went with it (node down) or still serve (only the agent).""", "short",
+        [T(f'up{{job="{agent_job(b.th)}"}}', "agent {{node}}"),
+         T('max by (server) (haproxy_server_status{state="UP"})', "balancer: {{server}}")],
+        alerts=["node_silent"], min_=0, decimals=0)
 
 
 def fleet_instances_row(b: Board) -> None:
@@ -441,6 +454,7 @@ def _stepwatch_health_panels(b: Board) -> None:
         sidecar). Healthy: all UP. A DOWN target blinds every alert that reads it.""", "none",
         [T(sel("up", f'job=~"{b.th.job_regex}"', INST), "{{job}} {{instance}}")],
         alerts=["target_down"], mappings=up)
+    _node_agents_panel(b)
     b.timeseries(
         b.th.alert("exporter_errors").panel, """Errors inside stepwatch's own hooks per interval, by component
         (the first one included). The pipeline never sees them, but that hook's signals are missing or wrong.

@@ -90,6 +90,9 @@ CAUSES: dict[str, str] = {
     "baseline_missing": "the quality baseline did not load (missing files, bad checksum)",
     "process_down": "the scraped process is down or hangs while its host is up",
     "host_down": "the whole host or pod is gone (all its targets are down)",
+    "node_down": "a whole fleet node is gone: its Prometheus agent and its replicas with it",
+    "agent_down": "a fleet node's Prometheus agent is down while its replicas still serve: only that node's "
+                  "monitoring is gone",
     "exporter_hook_broken": "a stepwatch hook fails (usually a diffusers or torch API change)",
 }
 

@@ -375,6 +375,12 @@ NEVER_HAPPENS_HERE = {
 # The video quality panels show probe sets with an SSIM gate (video sets); the practice stack's sidecar probes an
 # image set (gated on PSNR: its SSIM gate gauge is 0), so they stay empty here; tests/test_service_video_http.py
 # proves the video set's gauges on the real service.
+# A fleet's parts the one-instance stack has not: node agents and a load balancer (tests/test_fleet.py queries
+# this panel on the practice fleet).
+FLEET_ONLY = {
+    ("Node agents up", "A"): "no node agents on one instance",
+    ("Node agents up", "B"): "no load balancer on one instance",
+}
 IMAGE_PROBES_ONLY = {
     ("Probe SSIM worst frame vs gate, by probe set", "A"): "an image probe set: no SSIM gate",
     ("Probe SSIM worst frame vs gate, by probe set", "B"): "an image probe set: no SSIM gate",
@@ -506,7 +512,7 @@ def test_live_every_panel_query_returns_data(live_stack: Any, overview: dict[str
     results = run_panel_queries(st.prom, committed, st.started, st.end)
     empty = {k for k, v in results.items() if not v}
     allowed = (set(CPU_ONLY_EMPTY) | set(NEVER_HAPPENS_HERE) | set(SINGLE_RANK_EMPTY) | set(IMAGE_PROBES_ONLY)
-               )
+               | set(FLEET_ONLY))
     assert empty - allowed == set(), f"queries without data: {sorted(empty - allowed)}"
     assert allowed - empty == set(), f"allowlisted but now have data (remove them): {sorted(allowed - empty)}"
 

@@ -36,7 +36,7 @@ def th() -> Thresholds:
 
 
 def _known(th: Thresholds) -> set[str]:
-    return series_names() | rulegen.recorded_names(th) | BUILTINS
+    return series_names() | rulegen.recorded_names(th) | BUILTINS | set(promql.FOREIGN_SERIES)
 
 
 def problems(where: str, query: str, known: set[str]) -> list[str]:

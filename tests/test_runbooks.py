@@ -29,7 +29,7 @@ EXAMPLE_LABELS = {"job": "stepwatch-service", "instance": "10.0.0.1:8000", "shap
                   "pool": "large", "device": "cuda:0", "gpu": "0", "rank": "1", "stage": "vae_decode",
                   "probe_set": "default", "instance_id": "svc-a", "stat": "p10", "phase": "serving",
                   "reason": "timeout", "component": "scheduler.step", "cache": "first_block_cache",
-                  "outcome": "failed", "pod": "replica-1"}
+                  "outcome": "failed", "pod": "replica-1", "node": "node-1"}
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_every_check_query_parses_as_promql(th: Any, runbooks: dict[str, parse.R
 
 
 def test_checks_name_only_series_that_exist(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
-    known = series_names() | rulegen.recorded_names(th) | {"up"}
+    known = series_names() | rulegen.recorded_names(th) | {"up"} | set(promql.FOREIGN_SERIES)
     for alert, cid, p, q in _rendered(th, runbooks):
         names = promql.metric_names(q)
         assert names, (alert, cid)

@@ -17,8 +17,8 @@ from stepwatch.alerts.defs.base import (
     need_window,
     pending,
 )
-from stepwatch.alerts.promql import events, sel
-from stepwatch.alerts.thresholds import AlertSpec, Thresholds
+from stepwatch.alerts.promql import events, num, sel
+from stepwatch.alerts.thresholds import AlertSpec, Thresholds, agent_job
 
 SUBSYSTEM = "monitoring"
 
@@ -38,6 +38,25 @@ def _down_cases(p: Timing) -> list[Case]:
                  series, [pending(p), Expect(p.F or p.e, [({"job": SVC, "instance": I1}, 0.0)])])]
 
 
+# ----- a fleet node silent -------------------------------------------------------------------
+
+def _node_silent_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    """Per node: its agent unreachable.  The agent's own ``up`` is the one series that turns 0 when a node goes:
+    the replicas' series it wrote simply stop, and their last values (``up`` 1) stay for Prometheus' lookback."""
+    agents = sel("up", f'job="{agent_job(th)}"')
+    return f"max by (node) ({agents}) == {num(spec.threshold)}"
+
+
+def _node_silent_cases(p: Timing) -> list[Case]:
+    n = p.n(p.F + p.s)
+    agent = agent_job(p.th)
+    series = [Series("up", {"job": agent, "instance": "10.0.0.1:9090", "node": "node-0"}, const(0, n)),
+              Series("up", {"job": agent, "instance": "10.0.0.2:9090", "node": "node-1"}, const(1, n)),
+              Series("up", {"job": SVC, "instance": I1, "node": "node-1"}, const(0, n))]
+    return [Case(p.spec.key, "node-0's agent is down; node-1's is up (a target down on it is TargetDown's)",
+                 series, [pending(p), Expect(p.F or p.e, [({"node": "node-0"}, 0.0)])])]
+
+
 # ----- exporter errors ------------------------------------------------------------------------
 
 def _hook_errors_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
@@ -51,5 +70,6 @@ def _hook_errors_cases(p: Timing) -> list[Case]:
 
 ALERTS = (
     AlertDef("target_down", _down_expr, ("instance", "pod"), _down_cases, explains=("target_unreachable",)),
+    AlertDef("node_silent", _node_silent_expr, ("node",), _node_silent_cases),
     AlertDef("exporter_errors", _hook_errors_expr, ("instance", "component"), _hook_errors_cases),
 )
