@@ -25,7 +25,7 @@ from typing import Any
 
 from stepwatch.alerts.rulegen import dump, header
 from stepwatch.alerts.stack import _target, alertmanager_binary, rule_file
-from stepwatch.alerts.thresholds import PROFILES, Thresholds, load
+from stepwatch.alerts.thresholds import PROFILES, Thresholds, agent_job, load
 
 EVALUATOR_LABEL = "evaluator"
 NODE_LABEL = "node"
@@ -70,10 +70,14 @@ def agent_config(node: str, jobs: dict[str, Sequence[str]], remote_write: Sequen
 
 
 def central_config(evaluator: str, alertmanagers: Sequence[str], profile: str = "drill",
-                   rule_files: Sequence[str | Path] | None = None, thresholds: Thresholds | None = None) -> str:
-    """A central evaluator: receives remote writes (no scrapes), evaluates the rules, alerts every Alertmanager
-    with its ``evaluator`` label dropped (both evaluators' copies of an alert are one alert to the cluster)."""
-    p = _profile(thresholds, profile)
+                   rule_files: Sequence[str | Path] | None = None, thresholds: Thresholds | None = None,
+                   agents: dict[str, str] | None = None) -> str:
+    """A central evaluator: receives remote writes, evaluates the rules, alerts every Alertmanager with its
+    ``evaluator`` label dropped (both evaluators' copies of an alert are one alert to the cluster).  It scrapes
+    one thing itself: each node's agent (``agents``: {node: http://host:port}), whose ``up`` is the only series
+    that turns 0 when a whole node goes (StepwatchNodeSilent); everything else arrives by remote write."""
+    th = thresholds or load()
+    p = _profile(th, profile)
     ams = []
     for url in alertmanagers:
         scheme, hostport, _ = _target(url, "alertmanager")
@@ -81,6 +85,10 @@ def central_config(evaluator: str, alertmanagers: Sequence[str], profile: str = 
     doc: dict[str, Any] = {
         "global": {"evaluation_interval": p.evaluation_interval, "external_labels": {EVALUATOR_LABEL: evaluator}},
         "rule_files": [str(f) for f in (rule_files if rule_files is not None else [rule_file(profile)])],
+        "scrape_configs": [{"job_name": agent_job(th), "scrape_interval": p.scrape_interval,
+                            "scrape_timeout": p.scrape_interval,
+                            "static_configs": [{"targets": [_target(u, "agent")[1]], "labels": {NODE_LABEL: node}}
+                                               for node, u in sorted((agents or {}).items())]}] if agents else [],
         "alerting": {"alert_relabel_configs": [{"action": "labeldrop", "regex": EVALUATOR_LABEL}],
                      "alertmanagers": ams},
     }

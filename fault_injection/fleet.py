@@ -63,6 +63,10 @@ def _has_targets(prom: Prometheus, n: int) -> Callable[[], bool]:
     return lambda: len(prom.query(queries.targets_up())) >= n
 
 
+def _agents_up(prom: Prometheus, n: int) -> Callable[[], bool]:
+    return lambda: sum(s.value for s in prom.query(queries.agents_up())) >= n
+
+
 @dataclass
 class Replica:
     name: str
@@ -233,11 +237,14 @@ class FleetStack:
             self._wait(Alertmanager(url).ready, f"alertmanager {url}", deadline)
 
     def _start_evaluators(self, deadline: float) -> None:
+        """Both evaluators; they scrape the node agents, whose ports are chosen now (the agents start last)."""
+        self.agents = [f"http://127.0.0.1:{free_port()}" for _ in range(self.nodes)]
+        agents = {f"node-{n}": url for n, url in enumerate(self.agents)}
         for name in ("a", "b"):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             cfg = self.workdir / f"central-{name}.yml"
-            cfg.write_text(fcfg.central_config(name, self.alertmanagers, self.profile))
+            cfg.write_text(fcfg.central_config(name, self.alertmanagers, self.profile, agents=agents))
             self._child(f"central-{name}", fcfg.central_argv(cfg, self.workdir / f"central-{name}-data",
                                                              f"127.0.0.1:{port}"))
             self.evaluators.append(url)
@@ -282,15 +289,15 @@ class FleetStack:
             jobs = {cfgs.SERVICE_JOB: [f"{r.service_url}/metrics" for r in mine],
                     cfgs.SIDECAR_JOB: [f"{r.sidecar_url}/metrics" for r in mine],
                     BALANCER_JOB: [f"{self.balancer_metrics_url}/metrics"] if n == 0 else []}
-            port = free_port()
             cfg = self.workdir / f"agent-{node}.yml"
             pods = {f"{u}/metrics": r.name for r in mine for u in (r.service_url, r.sidecar_url)}
             cfg.write_text(fcfg.agent_config(node, jobs, self.evaluators, self.profile, pods=pods))
             self._child(f"agent-{node}", fcfg.agent_argv(cfg, self.workdir / f"agent-{node}-data",
-                                                         f"127.0.0.1:{port}"))
-            self.agents.append(f"http://127.0.0.1:{port}")
+                                                         self.agents[n].removeprefix("http://")))
         for url in self.agents:
             self._wait(_ok(url + "/-/ready"), f"agent {url}", deadline)
         want = 2 * len(self.members) + 1
         for url in self.evaluators:  # both evaluators hold every target's samples before the fleet counts as up
             self._wait(_has_targets(Prometheus(url), want), f"all {want} targets on evaluator {url}", deadline)
+            self._wait(_agents_up(Prometheus(url), self.nodes), f"the {self.nodes} agents scraped by {url}",
+                       deadline)

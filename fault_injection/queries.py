@@ -9,6 +9,7 @@ and lists it in :func:`drill_queries`.
 from __future__ import annotations
 
 from stepwatch.alerts.promql import agg, cache_hit_ratio, mean_step_time, quantile, sel, sum_rate
+from stepwatch.alerts.thresholds import AGENT_JOB
 
 REQUEST_SECONDS_BUCKET = "stepwatch_service_request_duration_seconds_bucket"
 LATENCY_QUANTILES = {"p50": 0.5, "p99": 0.99}  # the off-menu drill: p99 rises while p50 stays flat
@@ -86,9 +87,15 @@ def targets_up() -> str:
     return "up"
 
 
+def agents_up() -> str:
+    """Each node agent's ``up`` as the central evaluators scrape it (StepwatchNodeSilent's series)."""
+    return sel("up", f'job="{AGENT_JOB}"')
+
+
 def up_samples(window: str) -> str:
-    """``up`` samples per target over ``window`` (a central-store outage: none of the window may be missing)."""
-    return f"count_over_time(up[{window}])"
+    """``up`` samples per remote-written target over ``window`` (a central-store outage: none of the window may
+    be missing).  The evaluators' own scrapes of the node agents are not remote-written: down with them."""
+    return f'count_over_time(up{{job!="{AGENT_JOB}"}}[{window}])'
 
 
 def requests_ok_by_instance() -> str:
@@ -119,7 +126,7 @@ def drill_queries(window: str) -> dict[str, str]:
            "quality_gate": quality_gate(), "estimated_wait": estimated_wait(),
            "service_requests": service_requests(), "rank_stuck": rank_stuck_outside_collectives(),
            "rank_busy_ratio": rank_busy_ratio(window), "pipeline_cpu_wait": pipeline_cpu_wait(window),
-           "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(),
+           "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(), "agents_up": agents_up(),
            "requests_ok_by_instance": requests_ok_by_instance(), "up_samples": up_samples(window)}
     for name, q in LATENCY_QUANTILES.items():
         out[f"request_{name}"] = request_quantile(q, window)

@@ -96,6 +96,9 @@ CAUSES: dict[str, str] = {
     "exporter_hook_broken": "a stepwatch hook fails (usually a diffusers or torch API change)",
 }
 
+# Causes whose one incident spans more than one place (triage groups by it; any other cause: one pod or host).
+CAUSE_SCOPE: dict[str, str] = {"under_provisioned": "pool", "node_down": "node", "agent_down": "node"}
+
 SECTIONS = ("Meaning", "Impact", "Diagnosis", "Mitigation", "Dashboard")
 NEXT, END = "next", "end"
 Outcome = Literal["healthy", "unhealthy", "unknown"]

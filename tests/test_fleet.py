@@ -30,11 +30,16 @@ def test_agent_and_central_configs_pass_promtool(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
     central = tmp_path / "central.yml"
-    central.write_text(fcfg.central_config("a", ["http://127.0.0.1:9201", "http://127.0.0.1:9202"]))
+    central.write_text(fcfg.central_config("a", ["http://127.0.0.1:9201", "http://127.0.0.1:9202"],
+                                           agents={"node-0": "http://127.0.0.1:9301"}))
     doc = yaml.safe_load(central.read_text())
     assert doc["global"]["external_labels"] == {"evaluator": "a"}
     assert doc["alerting"]["alert_relabel_configs"] == [{"action": "labeldrop", "regex": "evaluator"}]
-    assert len(doc["alerting"]["alertmanagers"]) == 2 and "scrape_configs" not in doc
+    assert len(doc["alerting"]["alertmanagers"]) == 2
+    # The one scrape of its own: the node agents, labelled by node (StepwatchNodeSilent reads their up).
+    [job] = doc["scrape_configs"]
+    assert job["job_name"] == "prometheus-agent"
+    assert job["static_configs"] == [{"targets": ["127.0.0.1:9301"], "labels": {"node": "node-0"}}]
     r = subprocess.run(["promtool", "check", "config", str(central)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -30,8 +30,10 @@ from stepwatch.triage.cli_run import parse_time
 from stepwatch.triage.engine import (
     SYMPTOM_QUERY_PREFIX,
     Alert,
+    Diagnosis,
     Engine,
     alerts_from_webhook,
+    group,
     mitigation_for,
     triage,
     webhook_payload,
@@ -711,3 +713,48 @@ def test_a_pool_alert_joins_the_one_host_with_its_cause() -> None:
     other = Alert(probe.name, {**probe.labels, "instance": "10.9.9.9:9465"}, probe.annotations, probe.starts_at)
     report = triage([err, probe, other], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
     assert len(report.incidents) == 3
+
+
+def _caused(alert: Alert, cause: str) -> Diagnosis:
+    return Diagnosis(alert, None, "", "", cause=cause, confidence="high")
+
+
+def test_a_pool_short_of_instances_is_one_incident_across_its_instances() -> None:
+    """Three instances' queue alerts and the pool's capacity alert, all ``under_provisioned``, on three hosts
+    (or three pods of one host): one incident for the pool.  A per-place cause stays one incident per place."""
+    hosts = [_alert("queue_wait", instance=f"10.0.0.{i}:8000", pool="small") for i in (1, 2, 3)]
+    pods = [_alert("queue_wait", instance=f"127.0.0.1:800{i}", pool="small", pod=f"replica-{i}") for i in (1, 2, 3)]
+    capacity = _alert("pool_capacity")
+    for queues in (hosts, pods):
+        incidents = group([_caused(a, "under_provisioned") for a in [*queues, capacity]], TH)
+        assert len(incidents) == 1 and len(incidents[0].alerts) == 4
+        assert incidents[0].cause == "under_provisioned"
+        crashed = group([_caused(a, "worker_crashed") for a in queues], TH)
+        assert sorted(len(i.alerts) for i in crashed) == [1, 1, 1]  # a crash is each pod's own
+
+
+def test_one_node_gone_is_one_incident_and_pods_are_places() -> None:
+    """Alerts naming ``node_down`` for one node join; another node's stay apart; two pods on one address are
+    two places for a per-place cause (a fleet on one host), one service and its sidecar in a pod one."""
+    a = _alert("node_silent", node="node-1")
+    b = _alert("target_down", instance="127.0.0.1:9001", pod="replica-1", node="node-1")
+    c = _alert("node_silent", node="node-0")
+    incidents = group([_caused(a, "node_down"), _caused(b, "node_down"), _caused(c, "node_down")], TH)
+    assert sorted(sorted(x.name for x in i.alerts) for i in incidents) == [
+        ["StepwatchNodeSilent"], ["StepwatchNodeSilent", "StepwatchTargetDown"]]
+    svc, sidecar, other = (_alert("target_down", instance=f"127.0.0.1:{port}", pod=pod)
+                           for port, pod in ((9001, "replica-1"), (9002, "replica-1"), (9003, "replica-2")))
+    incidents = group([_caused(x, "process_down") for x in (svc, sidecar, other)], TH)
+    assert sorted(len(i.alerts) for i in incidents) == [1, 2]
+
+
+@pytest.mark.parametrize("balancer, cause", [(0.0, "node_down"), (1.0, "agent_down"), (None, None)])
+def test_node_silent_tells_a_node_gone_from_its_agent_gone(balancer: float | None, cause: str | None) -> None:
+    """The balancer's health checks of the node's replicas decide; without the balancer's view, no cause."""
+    prom = StubProm([(r"count\(haproxy_server_status", 0.0 if balancer is None else 3.0),
+                     (r"haproxy_server_status", balancer)])
+    report = triage([_alert("node_silent", node="node-1")], prom, thresholds=TH)  # type: ignore[arg-type]
+    [inc] = report.incidents
+    assert inc.cause == cause
+    asked = [q for q, _ in prom.queries if "haproxy_server_status" in q]
+    assert len(asked) == 2 and all('job="prometheus-agent"' in q for q in asked) and 'node="node-1"' in asked[-1]

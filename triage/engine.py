@@ -26,7 +26,7 @@ from stepwatch.alerts import defs, rulegen
 from stepwatch.alerts.defs import refers_to
 from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError, load, parse_duration
 from stepwatch.promapi import PromError, Prometheus
-from stepwatch.runbooks.parse import CAUSES, END, Check, Runbook, RunbookError, follow, load_for_alert, load_for_url
+from stepwatch.runbooks.parse import CAUSE_SCOPE, CAUSES, END, Check, Runbook, RunbookError, follow, load_for_alert, load_for_url
 
 Outcome = Literal["healthy", "unhealthy", "unknown", "error"]
 Confidence = Literal["high", "medium", "low", "none"]
@@ -78,6 +78,12 @@ class Alert:
         """The instance's host: the sidecar and the service it watches share it (another port)."""
         inst = self.labels.get("instance", "")
         return inst.rsplit(":", 1)[0] if ":" in inst else inst
+
+    @property
+    def place(self) -> str:
+        """Where the alert is: its pod where targets carry one (a fleet: many pods share a node's address, and a
+        replica's service and sidecar share its pod), else its instance's host."""
+        return self.labels.get("pod") or self.host
 
     def short(self) -> str:
         """``Name{the labels that say where}`` for one line of a report."""
@@ -685,7 +691,11 @@ def evidence_rank(c: CheckResult) -> int:
 
 
 def group(diags: Sequence[Diagnosis], thresholds: Thresholds | None = None) -> list[Incident]:
-    """Alerts sharing a cause on one host become one incident; causes that point at another alert join it.
+    """Alerts sharing a cause in one place become one incident; causes that point at another alert join it.
+
+    The place is the alert's pod (else its host), and wider for causes that span places: one pool short of
+    instances is one incident however many instances' queues show it, one node gone one incident however many
+    of its pods' alerts fire (``incident_scope``).
 
     A cause like ``out_of_memory`` ("most errors are OOMs") points at the OOM alert:
     that alert's incident takes it as a follower and keeps its own, deeper cause.  Which
@@ -706,7 +716,7 @@ def group(diags: Sequence[Diagnosis], thresholds: Thresholds | None = None) -> l
         if d.cause is None:
             unexplained.append(d)
             continue
-        key = (d.cause, d.alert.host)
+        key = (d.cause, incident_scope(d))
         if key in by_key:
             by_key[key].diagnoses.append(d)
         else:
@@ -726,7 +736,7 @@ def group(diags: Sequence[Diagnosis], thresholds: Thresholds | None = None) -> l
     for d in unexplained:
         home = None
         if not d.could_not_check and d.runbook is not None:
-            same_host = [i for i in incidents if i.primary.alert.host == d.alert.host]
+            same_host = [i for i in incidents if i.primary.alert.place == d.alert.place]
             home = min(same_host, key=lambda i: (SEVERITY_RANK.get(i.severity, 3), CONFIDENCE_RANK[i.confidence]),
                        default=None)
         if home is not None:
@@ -737,6 +747,18 @@ def group(diags: Sequence[Diagnosis], thresholds: Thresholds | None = None) -> l
         _follow_explaining(d, target, incidents)
     return sorted(incidents, key=lambda i: (i.cause is None and not i.could_not_check,
                                             SEVERITY_RANK.get(i.severity, 3), CONFIDENCE_RANK[i.confidence], i.id))
+
+
+def incident_scope(d: Diagnosis) -> str:
+    """Where one incident of ``d``'s cause ends (runbooks/parse.CAUSE_SCOPE): a pool-wide cause is one incident
+    for the pool, whatever instances show it ("" like a pool-level alert); a node-wide cause one per node
+    (its ``node`` label); any other cause one per place (pod, else host)."""
+    scope = CAUSE_SCOPE.get(d.cause or "", "place")
+    if scope == "pool":
+        return ""
+    if scope == "node" and d.alert.labels.get("node"):
+        return "node:" + d.alert.labels["node"]
+    return d.alert.place
 
 
 def _merge_hostless(by_key: dict[tuple[str, str], Incident]) -> None:
@@ -764,7 +786,7 @@ def _explaining(d: Diagnosis, diags: Sequence[Diagnosis]) -> Diagnosis | None:
     j = d.explained_by
     if j is None:
         return None
-    found = [t for t in diags if t is not d and t.alert.name == j.alert and t.alert.host == d.alert.host
+    found = [t for t in diags if t is not d and t.alert.name == j.alert and t.alert.place == d.alert.place
              and t.cause is not None and t.explained_by is None]
     found.sort(key=lambda t: (t.alert.labels.get("instance") != j.labels.get("instance"),
                               SEVERITY_RANK.get(t.alert.severity, 3), t.alert.key))
