@@ -8,6 +8,9 @@ alerts, cause and limits come from its block in runbooks/drills.md.
 
 - ``replica-lost``: one replica's service (and worker) and sidecar SIGKILLed: TargetDown for that replica,
   haproxy routes around it, every request is answered (one in flight on it: a 502 or a closed connection);
+- ``node-lost``: one node's agent and its replicas SIGKILLed: no ``up`` 0 is written for them, StepwatchNodeSilent
+  names the node, triage says ``node_down`` from the balancer's health checks;
+- ``agent-lost``: only that node's agent killed: the same alert, its replicas still serve, ``agent_down``;
 - ``alertmanager-peer-lost``: one Alertmanager of the gossip pair killed, then a replica's sidecar: the
   notification still arrives, exactly once;
 - ``bad-instance``: CPU-bound processes beside one replica's worker: StepwatchInstanceSlow names it alone;
@@ -72,16 +75,7 @@ class ReplicaLost(FleetDrill):
 
     def while_firing(self, stack: Any, r: DrillResult) -> None:
         """With the replica still gone, new requests through the balancer all answer 200."""
-        t = Traffic(stack.balancer_url, [{"prompt": "a red bicycle", "size": "256x256"}], 1).start()
-        try:
-            deadline = time.time() + 30
-            while t.total < 4 and time.time() < deadline:
-                time.sleep(0.2)
-        finally:
-            t.stop()
-        codes = dict(t.codes)
-        r.details["routed_around_codes"] = {str(k): v for k, v in codes.items()}
-        r.checks["routed_around"] = bool(codes) and set(codes) == {200} and not t.errors
+        _routed_around(stack, r)
 
     def restore(self, stack: Any, r: DrillResult) -> None:
         stack.restart(self.target, _service_ready(stack, self.target))
@@ -169,6 +163,92 @@ class CentralStoreOutage(FleetDrill):
 
     def restore(self, stack: Any, r: DrillResult) -> None:
         stack.restart(f"{self.target}-sidecar", _sidecar_ready(stack, self.target))
+
+
+def _routed_around(stack: Any, r: DrillResult, requests: int = 4) -> None:
+    """With replicas gone, new requests through the balancer all answer 200 (it took them out of rotation)."""
+    t = Traffic(stack.balancer_url, [{"prompt": "a red bicycle", "size": "256x256"}], 1).start()
+    try:
+        deadline = time.time() + 30
+        while t.total < requests and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        t.stop()
+    codes = dict(t.codes)
+    r.details["routed_around_codes"] = {str(k): v for k, v in codes.items()}
+    r.checks["routed_around"] = bool(codes) and set(codes) == {200} and not t.errors
+
+
+class NodeDrill(FleetDrill):
+    """A drill of one node (``inject.node``): its expected alert carries that ``node`` label."""
+
+    @property
+    def node(self) -> str:
+        return str(self.spec.inject.get("node", "node-1"))
+
+    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
+        labels = alert.get("labels", {})
+        return bool(labels.get("alertname") == self.expected and labels.get("node") == self.node)
+
+    def replicas(self, stack: Any) -> list[str]:
+        return [m.name for m in stack.members if m.node == self.node]
+
+    def restart_agent(self, stack: Any) -> None:
+        url = stack.agents[int(self.node.rsplit("-", 1)[1])]
+        stack.restart(f"agent-{self.node}", lambda: httpclient.ok(url + "/-/ready"))
+
+
+class NodeLost(NodeDrill):
+    name = "node-lost"
+    doc_id = "node_lost"
+    baseline_accepts = ReplicaLost.baseline_accepts  # requests in flight on the node's replicas fail at once
+    description = ("One node's agent and every replica on it SIGKILLed at once: their series stop (no up 0), "
+                   "StepwatchNodeSilent names the node, triage says node_down from the balancer's health checks.")
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        gone = self.replicas(stack)
+        stack.crash(f"agent-{self.node}")
+        for name in gone:
+            stack.crash(name)
+            stack.crash(f"{name}-sidecar")
+        r.details["replicas_lost"] = gone
+        r.notes.append(f"killed {self.node}: its agent and {', '.join(gone)} (service, worker, sidecar)")
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """The balancer routes around the node; TargetDown stayed silent for its replicas (nothing wrote up 0)."""
+        _routed_around(stack, r)
+        down = [a["labels"].get("pod") for a in stack.prom.firing()
+                if a["labels"].get("alertname") == self.th.alert("target_down").name]
+        r.details["target_down_pods"] = sorted(p or "" for p in down)
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        for name in r.details.get("replicas_lost", []):
+            stack.restart(name, _service_ready(stack, name))
+            stack.restart(f"{name}-sidecar", _sidecar_ready(stack, name))
+        self.restart_agent(stack)
+
+    def after(self, stack: Any, r: DrillResult) -> None:
+        ReplicaLost.after(self, stack, r)
+
+
+class AgentLost(NodeDrill):
+    name = "agent-lost"
+    doc_id = "agent_lost"
+    description = ("Only one node's Prometheus agent SIGKILLed: StepwatchNodeSilent names the node as for a lost "
+                   "node, its replicas still serve, triage says agent_down.")
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        stack.crash(f"agent-{self.node}")
+        r.notes.append(f"killed {self.node}'s agent; its replicas ({', '.join(self.replicas(stack))}) run on")
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """The node's replicas answer their own ``/readyz``: only the monitoring went."""
+        ready = {name: httpclient.ok(stack.replica(name).service_url + "/readyz") for name in self.replicas(stack)}
+        r.details["replicas_ready"] = ready
+        r.checks["replicas_still_serve"] = bool(ready) and all(ready.values())
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        self.restart_agent(stack)
 
 
 def _group_pids(leader: int) -> list[int]:
@@ -274,6 +354,19 @@ class PoolShort(FleetDrill):
         queue_after = r.details.get("queue_wait_after_s")
         r.checks["capacity_before_queue_wait"] = queue_after is not None and r.time_to_detect_s is not None \
             and queue_after > r.time_to_detect_s
+        self._one_incident_for_the_pool(stack, r)
+
+    def _one_incident_for_the_pool(self, stack: Any, r: DrillResult) -> None:
+        """Triaged again once the queues alert too: the capacity alert and every replica's queue alert that
+        names the pool short are one incident (the pool's), not one per replica."""
+        from stepwatch.triage.engine import Engine, firing_at
+
+        report = Engine(stack.prom).run(firing_at(stack.prom))
+        short = [i for i in report.incidents if i.cause == "under_provisioned"]
+        r.details["pool_incidents"] = [sorted(a.short() for a in i.alerts) for i in short]
+        queues = {a.key for i in short for a in i.alerts if a.name == self.th.alert("queue_wait").name}
+        r.details["queue_alerts_in_the_pool_incident"] = len(queues)
+        r.checks["one_incident_for_the_pool"] = len(short) == 1
 
     def restore(self, stack: Any, r: DrillResult) -> None:
         t = r.details.pop("_ramp", None)
@@ -282,8 +375,8 @@ class PoolShort(FleetDrill):
             r.details["ramp_codes"] = {str(k): v for k, v in sorted(t.codes.items())}
 
 
-FLEET_DRILLS: tuple[type[Drill], ...] = (ReplicaLost, AlertmanagerPeerLost, CentralStoreOutage, BadInstance,
-                                         PoolShort)
+FLEET_DRILLS: tuple[type[Drill], ...] = (ReplicaLost, NodeLost, AgentLost, AlertmanagerPeerLost,
+                                         CentralStoreOutage, BadInstance, PoolShort)
 # Steady traffic before each fleet drill: two scrapes.  The one-instance drills' 25 s re-measure per-shape step
 # baselines on it; no fleet drill reads them, and "quiet before" is the runner's own wait.
 FLEET_STEADY_S = 10.0

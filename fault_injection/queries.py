@@ -83,8 +83,9 @@ def stream_chunk_psnr() -> str:
 
 
 def targets_up() -> str:
-    """Every scraped target's ``up`` (the fleet: every target reached the central store)."""
-    return "up"
+    """Every remote-written target's ``up`` (the fleet: every target reached the central store through the node
+    agents; the evaluators' own scrapes of the agents are ``agents_up``)."""
+    return sel("up", f'job!="{AGENT_JOB}"')
 
 
 def agents_up() -> str:
@@ -126,7 +127,8 @@ def drill_queries(window: str) -> dict[str, str]:
            "quality_gate": quality_gate(), "estimated_wait": estimated_wait(),
            "service_requests": service_requests(), "rank_stuck": rank_stuck_outside_collectives(),
            "rank_busy_ratio": rank_busy_ratio(window), "pipeline_cpu_wait": pipeline_cpu_wait(window),
-           "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(), "agents_up": agents_up(),
+           "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(),
+           "agents_up": agents_up(),
            "requests_ok_by_instance": requests_ok_by_instance(), "up_samples": up_samples(window)}
     for name, q in LATENCY_QUANTILES.items():
         out[f"request_{name}"] = request_quantile(q, window)

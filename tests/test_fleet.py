@@ -14,6 +14,7 @@ import yaml
 
 from stepwatch.alerts import fleet as fcfg
 from stepwatch.alerts.stack import SERVICE_JOB
+from stepwatch.fault_injection import queries
 from stepwatch.service.balancer import haproxy_binary, haproxy_config
 
 
@@ -85,9 +86,12 @@ def test_load_through_the_balancer_at_three_replicas(fleet: Any) -> None:
     from stepwatch.promapi import Prometheus
 
     for url in fleet.evaluators:  # every target reached both evaluators through the node agents
-        up = Prometheus(url).query("up")
+        up = Prometheus(url).query('up{job!="prometheus-agent"}')
         assert len(up) == 7 and all(s.value == 1 for s in up), up
         assert {s.labels["node"] for s in up} == {"node-0", "node-1"}
+        agents = Prometheus(url).query(queries.agents_up())  # and each evaluator scrapes each node's agent
+        assert sorted((s.labels["node"], s.value) for s in agents) == [("node-0", 1.0), ("node-1", 1.0)]
+    _node_agents_panel_has_data(fleet)
     for url in fleet.alertmanagers:  # the two Alertmanagers gossip as one cluster
         status = httpx.get(url + "/api/v2/status", timeout=5).json()
         assert status["cluster"]["status"] == "ready" and len(status["cluster"]["peers"]) == 2, status
@@ -112,9 +116,21 @@ def test_load_through_the_balancer_at_three_replicas(fleet: Any) -> None:
     assert [row["series"] for row in s["production"]] == sorted(row["series"] for row in s["production"])
 
 
+def _node_agents_panel_has_data(fleet: Any) -> None:
+    """The dashboard's "Node agents up" (empty on the one-instance stack: tests/test_dashboards.py FLEET_ONLY)
+    shows both agents and the three replicas as the balancer sees them."""
+    from stepwatch.dashboards import generate, model
+    from stepwatch.promapi import Prometheus
+
+    board = model.load(Path(generate.__file__).parent / generate.OVERVIEW_FILE)
+    [panel] = [p for p in model.panels(board) if p.get("title") == "Node agents up"]
+    agents, balancer = (Prometheus(fleet.evaluators[0]).query(q.expr) for q in model.queries(panel))
+    assert len(agents) == 2 and len(balancer) == 3 and all(s.value == 1 for s in agents + balancer)
+
+
 @pytest.mark.heavy
 def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
-    """The five fleet drills on the running fleet: each detected within the goal, delivered, triaged right, nothing
+    """The seven fleet drills on the running fleet: each detected within the goal, delivered, triaged right, nothing
     else critical, resolved; their own checks hold (routed around, exactly one notification, no sample of the
     outage lost, only the crowded instance named, the capacity alert before the queue-wait alert)."""
     from stepwatch.alerts.thresholds import load
@@ -137,3 +153,8 @@ def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
     short = by["pool-short"]
     assert short.triage_cause == "under_provisioned" and short.checks["capacity_before_queue_wait"]
     assert short.details["queue_wait_after_s"] > short.time_to_detect_s
+    assert short.checks["one_incident_for_the_pool"] and short.details["queue_alerts_in_the_pool_incident"] >= 1
+    lost, agent = by["node-lost"], by["agent-lost"]  # one alert, two causes: the balancer's view tells them apart
+    assert lost.triage_cause == "node_down" and lost.checks["routed_around"] and lost.details["target_down_pods"] == []
+    assert agent.triage_cause == "agent_down" and agent.checks["replicas_still_serve"]
+    assert lost.expected_labels["node"] == agent.expected_labels["node"] == "node-1"

@@ -189,14 +189,14 @@ def test_queue_stall_checks_are_the_probes(th: Any, runbooks: dict[str, parse.Ru
     from stepwatch.alerts.defs.service import stall_floor
 
     queue, probe = runbooks["StepwatchQueueWaitHigh"], runbooks["StepwatchQualityProbeFailing"]
-    assert [c.id for c in queue.checks[:3]] == list(STALL_CHECKS) and queue.checks[3].id == "pool_wide"
+    assert [c.id for c in queue.checks[:3]] == list(STALL_CHECKS) and queue.checks[3].id == "pool_short"
     lookback = "${diagnosis.change_lookback}"
     assert lookback in queue.check("restarts").query
     for cid in STALL_CHECKS:
         q, pr = queue.check(cid), probe.check(cid)
         assert (q.healthy, q.if_unhealthy, q.empty, q.explained_by) == (pr.healthy, pr.if_unhealthy, pr.empty,
                                                                          pr.explained_by), cid
-        assert q.if_healthy == ("pool_wide" if cid == "stalled" else pr.if_healthy), cid
+        assert q.if_healthy == ("pool_short" if cid == "stalled" else pr.if_healthy), cid
         copied = pr.query.replace('instance=~"{{ $labels.instance_host }}:.*"', 'instance="{{ $labels.instance }}"')
         assert q.query == copied.replace("${window}", lookback), cid
     spec = th.alert("worker_stalled")
@@ -259,7 +259,7 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       "stream_stall", "kv_window_too_long", "drift",
                                       # the practice fleet
                                       "replica_lost", "alertmanager_peer_lost", "central_store_outage",
-                                      "bad_instance", "pool_short"]
+                                      "bad_instance", "node_lost", "agent_lost", "pool_short"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:
@@ -286,7 +286,7 @@ def test_a_bad_also_is_refused_naming_the_drill(tmp_path: Path, also: str, messa
 def test_fault_table_links_resolve() -> None:
     text = (RUNBOOKS / "fault-table.md").read_text()
     rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith("| symptom")]
-    assert len(rows) == 12 + 2 + 2  # DESIGN section 4, streaming sessions (seed 002: stalls, a KV window), the fleet
+    assert len(rows) == 12 + 2 + 3  # DESIGN section 4, streaming sessions (seed 002: stalls, a KV window), the fleet
     for target in re.findall(r"\]\(([a-z-]+\.md)\)", text):
         assert (RUNBOOKS / target).is_file(), target
     for cause in re.findall(r"`([a-z_0-9]+)`", text):

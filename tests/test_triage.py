@@ -459,16 +459,17 @@ def test_queue_restart_without_a_stall_is_still_the_crash() -> None:
     report = triage([_queue()], StubProm(_queue_world(0.02, restarts=1.0)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert (d.cause, d.confidence, d.explained_by) == ("worker_crashed", "high", None)
-    assert d.path == ["stalled", "pool_wide", "slower", "restarts"]
+    assert d.path == ["stalled", "pool_short", "pool_wide", "slower", "restarts"]
 
 
 @pytest.mark.parametrize("stall, pool_wide, cause, confidence, path", [
     # a real backlog behind a worker well within its limit: the whole pool short of capacity, or one instance
-    (0.08, 0.9, "under_provisioned", "medium", ["pool_wide", "slower", "restarts", "not_ready"]),
-    (0.08, 0.3, "queue_backlog", "medium", ["pool_wide"]),
+    # (the capacity rules have no series here: pool_short reads "not short" and the queues decide)
+    (0.08, 0.9, "under_provisioned", "medium", ["pool_short", "pool_wide", "slower", "restarts", "not_ready"]),
+    (0.08, 0.3, "queue_backlog", "medium", ["pool_short", "pool_wide"]),
     # nothing else wrong: a service without the stall gauges, an idle worker
-    (None, 0.9, "under_provisioned", "medium", ["pool_wide", "slower", "restarts", "not_ready"]),
-    (0.0, 0.9, "under_provisioned", "medium", ["pool_wide", "slower", "restarts", "not_ready"]),
+    (None, 0.9, "under_provisioned", "medium", ["pool_short", "pool_wide", "slower", "restarts", "not_ready"]),
+    (0.0, 0.9, "under_provisioned", "medium", ["pool_short", "pool_wide", "slower", "restarts", "not_ready"]),
 ])
 def test_queue_with_a_healthy_worker_is_unchanged(stall: float | None, pool_wide: float, cause: str,
                                                   confidence: str, path: list[str]) -> None:
@@ -480,6 +481,21 @@ def test_queue_with_a_healthy_worker_is_unchanged(stall: float | None, pool_wide
     assert (d.cause, d.confidence, d.explained_by) == (cause, confidence, None)
     assert d.path == ["stalled", *path]
     assert "explained by" not in render.terminal(report)
+
+
+@pytest.mark.parametrize("needed, ready, cause", [
+    (1.4, 3.0, "under_provisioned"),  # the pool short by the capacity formula: the first queue over is its
+    (0.8, 3.0, "queue_backlog"),  # enough instances: the one queue over the line is a backlog in one place
+    (1.4, 1.0, "queue_backlog"),  # a pool of one has nothing to size (the capacity alert's floor): as before
+])
+def test_queue_over_the_line_on_some_instances_of_a_short_pool_is_the_pool(needed: float, ready: float,
+                                                                         cause: str) -> None:
+    """Behind a balancer a short pool's queues cross the line one after another: only this instance over it
+    (pool_wide healthy) is still the pool's shortage when its instances needed exceed those ready."""
+    rules = [(r"needed_rate.*>= 2", None if ready < 2 else needed), *_queue_world(0.0, pool_wide=0.3)]
+    d = triage([_queue()], StubProm(rules), thresholds=TH).incidents[0].primary  # type: ignore[arg-type]
+    assert d.cause == cause
+    assert d.path[:2] == ["stalled", "pool_short"]
 
 
 # ----- the webhook receiver (triage serve) without a real Prometheus -------------------------------

@@ -111,7 +111,7 @@ def test_queue_overload_under_provisioned_and_probe_failures_follow(replays: dic
     assert len(report.incidents) == 1
     inc = report.incidents[0]
     assert inc.cause == "under_provisioned" and inc.primary.alert.labels["pool"] == "small"
-    assert inc.primary.path == ["stalled", "pool_wide", "slower", "restarts", "not_ready"]
+    assert inc.primary.path == ["stalled", "pool_short", "pool_wide", "slower", "restarts", "not_ready"]
     assert inc.primary.checks[0].outcome == "healthy"  # the worker was busy, not stalled
     values = {c.id: c.values[0][1] for c in inc.primary.checks if c.values}
     assert values["pool_wide"] > 0.5 and values["slower"] <= 1.2 and values["not_ready"] == 1
@@ -537,8 +537,8 @@ def test_queue_wait_after_the_restart_still_names_the_stall(probe_world: Replay)
 
 
 @pytest.mark.parametrize("pool, cause, path", [
-    ("small", "queue_backlog", ["stalled", "pool_wide"]),  # only this instance of the pool over the line
-    ("large", "under_provisioned", ["stalled", "pool_wide", "slower", "restarts", "not_ready"]),  # all of them
+    ("small", "queue_backlog", ["stalled", "pool_short", "pool_wide"]),  # only this instance of the pool over the line
+    ("large", "under_provisioned", ["stalled", "pool_short", "pool_wide", "slower", "restarts", "not_ready"]),
 ])
 def test_queue_wait_with_a_healthy_worker_is_unchanged(probe_world: Replay, pool: str, cause: str,
                                                        path: list[str]) -> None:

@@ -26,7 +26,17 @@ from stepwatch.alerts import defs, rulegen
 from stepwatch.alerts.defs import refers_to
 from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError, load, parse_duration
 from stepwatch.promapi import PromError, Prometheus
-from stepwatch.runbooks.parse import CAUSE_SCOPE, CAUSES, END, Check, Runbook, RunbookError, follow, load_for_alert, load_for_url
+from stepwatch.runbooks.parse import (
+    CAUSE_SCOPE,
+    CAUSES,
+    END,
+    Check,
+    Runbook,
+    RunbookError,
+    follow,
+    load_for_alert,
+    load_for_url,
+)
 
 Outcome = Literal["healthy", "unhealthy", "unknown", "error"]
 Confidence = Literal["high", "medium", "low", "none"]
@@ -723,10 +733,11 @@ def group(diags: Sequence[Diagnosis], thresholds: Thresholds | None = None) -> l
             by_key[key] = Incident([d])
     for (cause, host), inc in list(by_key.items()):
         targets = refers.get(cause, ())
-        # A pool-level alert (no instance) joins the incident wherever it is.
+        # A pool-level alert (no instance) joins the incident wherever it is, and a pool-wide incident takes
+        # the alerts pointing at it from any place.
         if any(d.alert.name in targets for d in inc.diagnoses):
             continue  # the alert named its own kind (a queue backlog on the queue alert): it is the home
-        home = next((other for (c2, h2), other in by_key.items() if other is not inc and (h2 == host or not host)
+        home = next((other for (c2, h2), other in by_key.items() if other is not inc and (h2 in (host, "") or not host)
                      and any(d.alert.name in targets for d in other.diagnoses)), None)
         if home is not None:
             home.followers.extend(inc.diagnoses + inc.followers)
