@@ -174,6 +174,23 @@ def fleet_instances_row(b: Board) -> None:
         "Per-step time by instance", """Each instance's mean seconds per step per shape, side by side (the
         numbers behind the share on the left). Healthy: instances of a shape together.""", "s",
         [T(mine, "{{instance}} {{shape}}")], min_=0)
+    _fleet_quality_panel(b)
+
+
+def _fleet_quality_panel(b: Board) -> None:
+    """Each instance's probe PSNR against the median instance's for the probe set (the quality runbook's
+    one-instance check, as a picture)."""
+    spread = b.th.diagnosis["instance_psnr_spread_db"]
+    p10 = 'stepwatch_quality_psnr_decibels{stat="p10"}'
+    b.timeseries(
+        "Probe PSNR p10 vs the fleet median, by instance", f"""Each instance's p10 PSNR of a probe set minus the
+        median instance's for that set, in dB (all instances). Healthy: every line near 0. One line more than
+        {num(spread)} dB under (dashed red) with the others at 0 is one bad instance (FP8 scales, another
+        parallel degree, a broken GPU: the quality-drop runbook's "one instance much worse" check); every line
+        at 0 while PSNR drops is the deployment or the cache, not an instance.""", "dB",
+        [T(f"  {p10}\n- on (probe_set) group_left\n  quantile by (probe_set) (0.5, {p10})",
+           "{{instance_id}} {{probe_set}}")],
+        lines=[(-spread, RED)])
 
 
 def _worker_stall_panel(b: Board) -> None:

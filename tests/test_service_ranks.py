@@ -22,7 +22,7 @@ pytestmark = pytest.mark.heavy
 
 PROMPTS = ("a red fox in snow", "city at night", "a bowl of fruit", "mountain lake", "portrait of a cat")
 REQUESTS = 8
-DURATION_S = 300
+DURATION_S = 180  # the report's hang came at ~100 s: past it with margin (five minutes cost the suite 5.4 of them)
 
 
 def _free_port() -> int:
@@ -86,9 +86,9 @@ def test_two_ranks_agree_on_every_cache_decision_and_never_hang(tmp_path: Path) 
     assert all(b > 0 for b in result["busy"].values())
 
 
-def test_two_rank_service_with_a_cpu_bound_neighbour_answers_every_request_for_five_minutes(tmp_path: Path) -> None:
+def test_two_rank_service_with_a_cpu_bound_neighbour_answers_every_request_for_three_minutes(tmp_path: Path) -> None:
     """The operator's report: two ranks, FirstBlockCache on, CPU-bound processes beside a rank, traffic;
-    the service hung after ~100 s.  Here every request of five minutes of that traffic must be answered,
+    the service hung after ~100 s.  Here every request of three minutes of that traffic must be answered,
     and the rank timing must charge the crowded rank."""
     from stepwatch.fault_injection.drills import start_neighbours
     from tests.promtext import value
@@ -120,7 +120,7 @@ def test_two_rank_service_with_a_cpu_bound_neighbour_answers_every_request_for_f
             p.kill()
             p.wait()
         svc.close()
-    assert len(codes) >= 20, f"only {len(codes)} requests in {DURATION_S} s"
+    assert len(codes) >= DURATION_S // 15, f"only {len(codes)} requests in {DURATION_S} s"  # one per 15 s at least
     assert busy["1"] > 1.1 * busy["0"], busy  # the crowded rank arrives last: named, past the 10% threshold
 
 
