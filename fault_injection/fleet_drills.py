@@ -48,15 +48,16 @@ class FleetDrill(Drill):
 
     fleet = True
     reads_baselines = False
+    target_label = "pod"  # the alert label that names the drill's target (a node drill's: node)
 
     @property
     def target(self) -> str:
         return str(self.spec.inject.get("replica", "replica-1"))
 
     def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
-        """The expected alert for the drill's replica, not another's."""
+        """The expected alert for the drill's target, not another's."""
         labels = alert.get("labels", {})
-        return bool(labels.get("alertname") == self.expected and labels.get("pod") == self.target)
+        return bool(labels.get("alertname") == self.expected and labels.get(self.target_label) == self.target)
 
 
 class ReplicaLost(FleetDrill):
@@ -182,13 +183,15 @@ def _routed_around(stack: Any, r: DrillResult, requests: int = 4) -> None:
 class NodeDrill(FleetDrill):
     """A drill of one node (``inject.node``): its expected alert carries that ``node`` label."""
 
+    target_label = "node"
+
     @property
-    def node(self) -> str:
+    def target(self) -> str:
         return str(self.spec.inject.get("node", "node-1"))
 
-    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
-        labels = alert.get("labels", {})
-        return bool(labels.get("alertname") == self.expected and labels.get("node") == self.node)
+    @property
+    def node(self) -> str:
+        return self.target
 
     def replicas(self, stack: Any) -> list[str]:
         return [m.name for m in stack.members if m.node == self.node]
