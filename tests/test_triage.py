@@ -369,8 +369,8 @@ def test_probe_timeouts_with_a_healthy_worker_are_still_the_queue() -> None:
     report = triage([_probe()], StubProm(_probe_world(0.08, timeouts=4.0)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert d.cause == "queue_backlog" and d.explained_by is None
-    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "pipeline_errors", "rewarmed",
-                      "serving_compiles", "slower", "timeouts"]
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "pipeline_errors", "serving_compiles",
+                      "rewarmed", "slower", "timeouts"]
     assert "explained by" not in render.terminal(report)
 
 
@@ -380,8 +380,8 @@ def test_probe_failures_with_nothing_else_wrong_end_as_before(stall: float | Non
     report = triage([_probe("bad_response")], StubProm(_probe_world(stall)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert d.cause is None and d.flow_end == "end" and d.explained_by is None
-    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "pipeline_errors", "rewarmed",
-                      "serving_compiles", "slower", "timeouts"]
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "pipeline_errors", "serving_compiles",
+                      "rewarmed", "slower", "timeouts"]
     assert "escalate" in d.next_step() and "sidecar log" in d.next_step()
 
 

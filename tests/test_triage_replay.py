@@ -497,8 +497,8 @@ def test_probe_failing_with_a_healthy_worker_is_unchanged(probe_world: Replay, k
     report = triage([_probe(HOSTS[kind], reason)], probe_world.prom, at=RESTART + 30)
     d = report.incidents[0].primary
     assert d.cause == cause and d.explained_by is None
-    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "pipeline_errors", "rewarmed",
-                      "serving_compiles", "slower", "timeouts"]
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "pipeline_errors", "serving_compiles",
+                      "rewarmed", "slower", "timeouts"]
     assert [c.outcome for c in d.checks[2:3]] == ["healthy"] and d.checks[2].values[0][1] < 1  # real data
 
 
