@@ -11,21 +11,39 @@ from __future__ import annotations
 import os
 
 
-def runqueue_wait_seconds() -> float | None:
-    """Seconds this process's threads have spent runnable but waiting for a CPU (Linux schedstat), or None.
+def schedstat_seconds() -> tuple[float, float] | None:
+    """(ran, waited): seconds this process's threads ran on a CPU and were runnable but waited for one
+    (Linux schedstat, summed over the threads), or None where there is no schedstat.
 
-    Thread-seconds, summed over the process's threads: two threads waiting one second count two.
-
-    A rank starved of CPU (another process on its CPUs, a throttled host) runs its side of every transfer
-    late: the ranks then arrive together and wait together, and only this shows who held them up."""
-    total = 0
+    Thread-seconds: two threads waiting one second count two."""
+    ran = waited = 0
     try:
         for task in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{task}/schedstat") as f:
-                    total += int(f.read().split()[1])
+                    fields = f.read().split()
+                ran, waited = ran + int(fields[0]), waited + int(fields[1])
             except (OSError, IndexError, ValueError):
                 continue  # a thread that just ended
     except OSError:
         return None
-    return total / 1e9
+    return ran / 1e9, waited / 1e9
+
+
+def runqueue_wait_seconds() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU, or None.
+
+    A rank starved of CPU (another process on its CPUs, a throttled host) runs its side of every transfer
+    late: the ranks then arrive together and wait together, and only this shows who held them up."""
+    both = schedstat_seconds()
+    return None if both is None else both[1]
+
+
+def cpu_run_seconds() -> float | None:
+    """Seconds this process's threads have run on a CPU, or None: what the waits are read against.
+
+    Waits alone do not tell a starved process from a busy one: two ranks on one host, or a service
+    compiling, wait a little on every thread they run.  Per second of running, a process behind a
+    neighbour waits far longer than one that merely keeps several threads busy."""
+    both = schedstat_seconds()
+    return None if both is None else both[0]

@@ -133,6 +133,9 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_pipeline_cpu_wait_seconds_total", "counter",
        "Seconds the pipeline process's threads were runnable but waited for a CPU (Linux schedstat, thread-"
        "seconds): another process on the host delays the host side of every step.", (), scraped=True),
+    _m("stepwatch_pipeline_cpu_run_seconds_total", "counter",
+       "Seconds the pipeline process's threads ran on a CPU (Linux schedstat, thread-seconds): what its waits "
+       "for a CPU are read against.", (), scraped=True),
     _m("stepwatch_rank_progress_age_seconds", "gauge",
        "Per rank, while it runs a request: seconds since it last left a collective (0 when idle).", ("rank",)),
     _m("stepwatch_rank_collective_wait_seconds", "gauge",

@@ -17,7 +17,7 @@ from prometheus_client import disable_created_metrics, enable_created_metrics, g
 
 from stepwatch.exporter import bench_exposition as be
 
-PER_SHAPE, PER_RANK, PER_GPU, EXPORTER_FIXED = 25, 6, 18, 44
+PER_SHAPE, PER_RANK, PER_GPU, EXPORTER_FIXED = 25, 6, 18, 45
 
 
 @pytest.fixture

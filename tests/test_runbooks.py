@@ -176,11 +176,11 @@ def test_probe_stall_check_restates_the_stall_alerts_limit(th: Any, runbooks: di
                     "end").render({}, th)
 
 
-STALL_CHECKS = ("stalled", "stall_answers", "stall_ranks")
+STALL_CHECKS = ("stalled", "stall_answers", "stall_cpu", "stall_ranks")
 
 
 def test_queue_stall_checks_are_the_probes(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
-    """queue-wait-high.md #1-#3 are a copy of quality-probe-failing.md #3-#5 (the runbook format has no
+    """queue-wait-high.md #1-#4 are a copy of quality-probe-failing.md #3-#6 (the runbook format has no
     includes): the same conditions, branches, causes and join, and the same queries but for two words: this
     instance instead of the probe's host (the queue and the worker's gauges are one target), and the restart
     check's lookback instead of the probe alert's window (a backlog outlives the stall that built it, and the
@@ -189,7 +189,7 @@ def test_queue_stall_checks_are_the_probes(th: Any, runbooks: dict[str, parse.Ru
     from stepwatch.alerts.defs.service import stall_floor
 
     queue, probe = runbooks["StepwatchQueueWaitHigh"], runbooks["StepwatchQualityProbeFailing"]
-    assert [c.id for c in queue.checks[:3]] == list(STALL_CHECKS) and queue.checks[3].id == "pool_short"
+    assert [c.id for c in queue.checks[:4]] == list(STALL_CHECKS) and queue.checks[4].id == "pool_short"
     lookback = "${diagnosis.change_lookback}"
     assert lookback in queue.check("restarts").query
     for cid in STALL_CHECKS:

@@ -338,6 +338,21 @@ def test_probe_timeouts_behind_a_stalled_worker_follow_the_stall() -> None:
     assert "is explained by StepwatchWorkerStalled" in render.markdown(report)
 
 
+@pytest.mark.parametrize(("starved", "cause"), [(0.8, "cpu_contention"), (0.1, "worker_hung"), (None, "worker_hung")])
+def test_a_worker_slowed_past_the_stall_limit_by_a_neighbour_is_contention_not_a_hang(
+        starved: float | None, cause: str) -> None:
+    """A worker behind busy loops on its cores read 1.47x the stall limit, still answering and still stepping,
+    and the stall flows called it hung.  Its waits per second run tell it apart; a frozen or collective-bound
+    worker waits for nothing, and an exporter without the run counter leaves the flow as it was."""
+    stall = _alert("worker_stalled", instance=SVC, pool="small")
+    rules = [(r"cpu_run_seconds_total", starved), *_probe_world(1.5, timeouts=2.0)]
+    report = Engine(StubProm(rules), TH).run([_probe(), stall])  # type: ignore[arg-type]
+    assert report.causes == [cause] and len(report.incidents) == 1
+    assert report.incidents[0].primary.path[:3] == ["alive", "answers", "cpu_starved"]
+    probe = triage([_probe()], StubProm(rules), thresholds=TH).incidents[0].primary  # type: ignore[arg-type]
+    assert probe.cause == cause and "stall_cpu" in probe.path
+
+
 def test_probe_failures_after_a_stall_name_it_when_its_alert_has_resolved() -> None:
     # The service restarted the worker at twice the limit (the stall alert resolved) and it warms up again:
     # the stall in the window still explains the probe, ahead of the restart and the warm-up it caused.
@@ -345,7 +360,7 @@ def test_probe_failures_after_a_stall_name_it_when_its_alert_has_resolved() -> N
     report = triage([_probe()], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
     inc = report.incidents[0]
     assert report.causes == ["collective_hang"] and inc.primary.path == [
-        "service_up", "baseline", "stalled", "stall_answers", "stall_ranks"]
+        "service_up", "baseline", "stalled", "stall_answers", "stall_cpu", "stall_ranks"]
     join = inc.primary.explained_by
     assert join is not None and join.firing == ""
     assert join.short() == "StepwatchWorkerStalled{instance=127.0.0.1:8000, pool=small}"
@@ -369,8 +384,8 @@ def test_probe_timeouts_with_a_healthy_worker_are_still_the_queue() -> None:
     report = triage([_probe()], StubProm(_probe_world(0.08, timeouts=4.0)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert d.cause == "queue_backlog" and d.explained_by is None
-    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "pipeline_errors", "serving_compiles",
-                      "rewarmed", "slower", "timeouts"]
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "pipeline_errors",
+                      "serving_compiles", "rewarmed", "slower", "timeouts"]
     assert "explained by" not in render.terminal(report)
 
 
@@ -380,8 +395,8 @@ def test_probe_failures_with_nothing_else_wrong_end_as_before(stall: float | Non
     report = triage([_probe("bad_response")], StubProm(_probe_world(stall)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert d.cause is None and d.flow_end == "end" and d.explained_by is None
-    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "pipeline_errors", "serving_compiles",
-                      "rewarmed", "slower", "timeouts"]
+    assert d.path == ["service_up", "baseline", "stalled", "restarted", "service_ready", "pipeline_errors",
+                      "serving_compiles", "rewarmed", "slower", "timeouts"]
     assert "escalate" in d.next_step() and "sidecar log" in d.next_step()
 
 
@@ -442,7 +457,8 @@ def test_queue_after_a_stall_names_it_when_its_alert_has_resolved() -> None:
     rules = _queue_world(2.0, ranks=2.0, restarts=1.0)
     report = triage([_queue()], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
     inc = report.incidents[0]
-    assert report.causes == ["collective_hang"] and inc.primary.path == ["stalled", "stall_answers", "stall_ranks"]
+    assert report.causes == ["collective_hang"]
+    assert inc.primary.path == ["stalled", "stall_answers", "stall_cpu", "stall_ranks"]
     assert next(c for c in inc.primary.checks if c.id == "restarts").outcome == "unhealthy"  # off the path now
     join = inc.primary.explained_by
     assert join is not None and join.firing == ""
@@ -630,6 +646,9 @@ STEP = ("step_time_regression", {"instance": "127.0.0.1:8000", "shape": "512x512
     ([(r"stepwatch_quality_baseline_stale", 1.0)], "fingerprint_changed"),
     ([(r"stepwatch_pipeline_cpu_wait_seconds_total", 1.4), (r"stepwatch_quality_baseline_stale", 1.0)],
      "cpu_contention"),
+    # Waits under the line, but long for each second the process ran: starved, not merely busy.
+    ([(r"cpu_run_seconds_total", 0.6), (r"stepwatch_pipeline_cpu_wait_seconds_total", 0.3)], "cpu_contention"),
+    ([(r"cpu_run_seconds_total", 0.1), (r"stepwatch_pipeline_cpu_wait_seconds_total", 0.3)], None),
     # A deployment that never compiled, its step time up on CPU noise: compile reads off, but it was never
     # turned off (no override), so the compile question is empty and nothing is named, not compile_disabled.
     ([(r'knob="compile"', None), (r'compile=~"\(\?i\)false"', 1.0),
