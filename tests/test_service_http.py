@@ -423,8 +423,11 @@ def test_sigterm_fails_what_is_waiting_stops_the_worker_and_exits_0(tmp_path: Pa
     try:
         pid = s.get("/v1/stepwatch/info")[1]["worker"]["pid"]
         results: list[tuple[int, Any, dict[str, str]]] = []
-        threads = [threading.Thread(target=lambda size=size: results.append(s.generate(size=size, steps=6)))
-                   for size in ("2048x2048", "256x256", "256x256")]
+        # The first must still run at the SIGTERM: 2048^2 x 6 steps once finished within the 1.9 s before it; at
+        # 40 steps it runs for many seconds, and the shutdown fails it like the two queued behind it.
+        threads = [threading.Thread(target=lambda size=size, steps=steps: results.append(s.generate(size=size,
+                                                                                                   steps=steps)))
+                   for size, steps in (("2048x2048", 40), ("256x256", 6), ("256x256", 6))]
         for t in threads:
             t.start()
             time.sleep(0.3)  # the first runs, the others queue behind it
