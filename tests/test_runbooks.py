@@ -176,7 +176,7 @@ def test_probe_stall_check_restates_the_stall_alerts_limit(th: Any, runbooks: di
                     "end").render({}, th)
 
 
-STALL_CHECKS = ("stalled", "stall_answers", "stall_cpu", "stall_ranks")
+STALL_CHECKS = ("stalled", "stall_answers", "stall_ranks", "stall_cpu")
 
 
 def test_queue_stall_checks_are_the_probes(th: Any, runbooks: dict[str, parse.Runbook]) -> None:

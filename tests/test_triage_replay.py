@@ -480,7 +480,7 @@ def test_probe_failing_after_the_restart_still_names_the_stall(probe_world: Repl
     report = triage([_probe(host)], probe_world.prom, at=RESTART + 30)
     d = report.incidents[0].primary
     assert d.cause == "worker_hung" and d.path == ["service_up", "baseline", "stalled", "stall_answers",
-                                                   "stall_cpu", "stall_ranks"]
+                                                   "stall_ranks", "stall_cpu"]
     checks = {c.id: c for c in d.checks}
     assert checks["stalled"].values[0][1] == pytest.approx(2.0)  # 40 s: the last scrape before the restart
     assert checks["restarted"].outcome == checks["timeouts"].outcome == "unhealthy"  # off the path now
@@ -527,7 +527,7 @@ def test_queue_wait_after_the_restart_still_names_the_stall(probe_world: Replay)
     host = HOSTS["stall"]
     report = triage([_queue(host)], probe_world.prom, at=RESTART + 30)
     d = report.incidents[0].primary
-    assert d.cause == "worker_hung" and d.path == ["stalled", "stall_answers", "stall_cpu", "stall_ranks"]
+    assert d.cause == "worker_hung" and d.path == ["stalled", "stall_answers", "stall_ranks", "stall_cpu"]
     checks = {c.id: c for c in d.checks}
     assert checks["stalled"].values[0][1] == pytest.approx(2.0)  # 40 s: the last scrape before the restart
     assert checks["restarts"].outcome == "unhealthy"  # off the path now

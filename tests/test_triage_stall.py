@@ -69,7 +69,7 @@ def _diagnose(world: list[tuple[str, Answer]]) -> tuple[str | None, list[str], s
 
 def test_the_frozen_rank_is_the_collective_hang_and_the_evidence_names_it() -> None:
     cause, path, stuck = _diagnose(_world(2, {"0": 0.0, "1": 30.0}, waiting=0.0))
-    assert cause == "collective_hang" and path == ["alive", "answers", "cpu_starved", "ranks", "stuck_rank"]
+    assert cause == "collective_hang" and path == ["alive", "answers", "ranks", "stuck_rank"]
     assert stuck.startswith("30 (rank=1)"), stuck
 
 
@@ -122,4 +122,4 @@ def test_stuck_rank_query_blames_a_rank_only_while_another_waits(tmp_path: Path)
 
 def test_one_rank_is_the_worker_itself() -> None:
     cause, path, _ = _diagnose(_world(0, {}, waiting=0.0))
-    assert cause == "worker_hung" and path == ["alive", "answers", "cpu_starved", "ranks"]
+    assert cause == "worker_hung" and path == ["alive", "answers", "ranks", "cpu_starved"]
