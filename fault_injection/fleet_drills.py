@@ -345,7 +345,11 @@ class PoolShort(FleetDrill):
         firing time is Prometheus' (active since + its for:), not when this loop saw it."""
         spec = self.th.alert("queue_wait")
         hold = spec.for_seconds(stack.profile)
-        deadline = r.injected_at + self.criteria.goal_s + 30
+        # The ramp's whole length: on a faster host the queue crosses its line only after more clients than the
+        # capacity formula needed (2026-12-05: 30 clients were not enough there, and were on 2026-12-04's host).
+        ramp = r.details.get("ramp", {})
+        ramp_s = float(ramp.get("clients", 0)) * float(ramp.get("every_seconds", 0))
+        deadline = r.injected_at + max(self.criteria.goal_s, ramp_s) + 30
         while time.time() < deadline:
             since = [starts_at(a.get("activeAt")) for a in stack.prom.firing()
                      if a["labels"].get("alertname") == spec.name]
