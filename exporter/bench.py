@@ -11,6 +11,7 @@ import itertools
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from stepwatch.exporter import instrument
+from stepwatch.exporter.paired import StopRule, paired_difference, paired_ratio
 from stepwatch.service.cache import apply_cache
 from stepwatch.service.pipeline import build_pipeline
 
@@ -215,32 +217,45 @@ def stub_case(name: str, calls: int = 6000) -> dict[str, Any]:
 
 
 def _ci(values: list[float]) -> tuple[float, float]:
-    """95% bootstrap interval of the median of ``values``."""
+    """95% bootstrap interval of the median of ``values`` (bench_ranks' rows; the paired rows use paired.py)."""
     rng = random.Random(0)
     meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(400))
     return meds[10], meds[389]
 
 
-def crossover(pipes: tuple[Any, Any], call: Any, rounds: int, block: int = 8,
-              progress: Any = None) -> tuple[dict[str, list[Any]], Any]:
+Sides = tuple[Callable[[Any], Any], Callable[[Any], Any]]
+
+
+def _instrument_fresh(pipe: Any) -> Any:
+    return instrument(pipe, registry=CollectorRegistry())
+
+
+def crossover(pipes: tuple[Any, Any], call: Any, rounds: int, block: int = 8, progress: Any = None,
+              stop: Callable[[dict[str, list[Any]]], bool] | None = None,
+              sides: Sides | None = None) -> tuple[dict[str, list[Any]], Any]:
     """Paired bare/instrumented calls of ``call(pipe, round)`` on two pipelines built alike, the instrumented one
     swapped every ``block`` rounds; returns {"bare": [...], "inst": [...]} of call results and the last handle.
 
     Two pipelines built alike are not equally fast on a shared VM (an A/A of two bare FAR pipelines read 0.95-0.99;
     the FLUX few-step case read 1.02 over 48 rounds with hooks costing microseconds), so each one spends half the
     rounds on each side (a crossover) and that difference cancels.  Within a round the order alternates (drift
-    cancels in each pair); after each swap one discarded call per side pays the first-call costs.
+    cancels in each pair); after each swap one discarded call per side pays the first-call costs.  ``rounds``
+    is the most it runs; ``stop(out)`` is asked after every two blocks (both pipelines once on each side).
+    ``sides`` = (turn on, turn off) replaces instrument/uninstrument: the calibration arms use it.
     """
     from stepwatch.exporter import uninstrument
 
+    turn_on, turn_off = sides or (_instrument_fresh, uninstrument)
     out: dict[str, list[Any]] = {"bare": [], "inst": []}
     handle: Any = None
     side = 0
     for r in range(rounds):
         if r % block == 0:
+            if stop is not None and r and r % (2 * block) == 0 and stop(out):
+                break
             side = (r // block) % 2
-            uninstrument(pipes[1 - side])
-            handle = instrument(pipes[side], registry=CollectorRegistry())
+            turn_off(pipes[1 - side])
+            handle = turn_on(pipes[side])
             for p in pipes:
                 call(p, r)
         named = (("bare", pipes[1 - side]), ("inst", pipes[side]))
@@ -251,33 +266,73 @@ def crossover(pipes: tuple[Any, Any], call: Any, rounds: int, block: int = 8,
     return out, handle
 
 
-def run_case(pipes: tuple[Any, Any], case: RealCase, rounds: int) -> dict[str, Any]:
+def _stop_on_totals(rule: StopRule | None, block: int) -> Callable[[dict[str, list[Any]]], bool] | None:
+    """The stop rule asked of (total, steps) call results."""
+    if rule is None:
+        return None
+    return lambda out: rule.done([t for t, _ in out["inst"]], [t for t, _ in out["bare"]], 2 * block)
+
+
+def summarize(case: RealCase, calls: dict[str, list[tuple[float, list[float]]]], block: int) -> dict[str, Any]:
+    """One row of the real-pipeline table from the paired calls (paired.py says why these statistics)."""
     steps = case.steps
-    calls, _ = crossover(pipes, lambda p, r: _timed_call(p, case, r), rounds)
     totals = {k: [t for t, _ in v] for k, v in calls.items()}
     step_s = {k: [s for _, st in v for s in st] for k, v in calls.items()}
-    tb, ti = statistics.median(totals["bare"]), statistics.median(totals["inst"])
-    # Paired: each round's instrumented call minus its neighbouring bare call cancels drift.
-    pairs = list(zip(totals["inst"], totals["bare"], strict=True))
-    diffs = [i - b for i, b in pairs]
-    paired = statistics.median(diffs)
-    lo, hi = _ci(diffs)
-    ratios = [i / b for i, b in pairs]
-    ratio_lo, ratio_hi = _ci(ratios)
+    diff, (lo, hi) = paired_difference(totals["inst"], totals["bare"], 2 * block)
+    ratio, (ratio_lo, ratio_hi) = paired_ratio(totals["inst"], totals["bare"], 2 * block)
     return {
         "shape": case.shape,
         "step_ms_bare": round(statistics.median(step_s["bare"]) * 1e3, 4),
         "step_ms_instrumented": round(statistics.median(step_s["inst"]) * 1e3, 4),
-        "overhead_us_per_step": round(paired / steps * 1e6, 2),
-        "ratio": round(statistics.median(ratios), 4),  # paired, like the overhead: drift cancels
+        "overhead_us_per_step": round(diff / steps * 1e6, 2),
+        "ratio": round(ratio, 4),
         "overhead_us_per_step_ci95": [round(lo / steps * 1e6, 1), round(hi / steps * 1e6, 1)],
         "ratio_ci95": [round(ratio_lo, 4), round(ratio_hi, 4)],
-        "request_ms_bare": round(tb * 1e3, 3),
-        "request_ms_instrumented": round(ti * 1e3, 3),
-        "rounds": rounds,
+        "request_ms_bare": round(statistics.median(totals["bare"]) * 1e3, 3),
+        "request_ms_instrumented": round(statistics.median(totals["inst"]) * 1e3, 3),
+        "rounds": len(totals["bare"]),
     }
 
 
+def run_case(pipes: tuple[Any, Any], case: RealCase, rounds: int, stop: StopRule | None = None,
+             block: int = 8) -> dict[str, Any]:
+    """Bare vs instrumented calls of ``case``: ``rounds`` of them, or as many as ``stop`` asks for."""
+    cap = stop.max_rounds if stop is not None else rounds
+    calls, _ = crossover(pipes, lambda p, r: _timed_call(p, case, r), cap, block, stop=_stop_on_totals(stop, block))
+    return summarize(case, calls, block)
+
+
+def calibrate(pipes: tuple[Any, Any], case: RealCase, stop: StopRule, block: int = 8) -> dict[str, Any]:
+    """The estimator asked two questions whose answers are known, on the same pipelines and host: an A/A (the
+    "instrumented" side is bare too: the ratio must read 1 within its interval) and a known cost (that side
+    busy-waits 1% of the bare call's median after each call: it must read about 1.01).  A bench whose A/A
+    drifts or whose 1% reads 1.00 cannot tell 1.01 from 1.00 either."""
+    from stepwatch.exporter import uninstrument
+
+    for p in pipes:
+        uninstrument(p)
+    burn_s = 0.01 * statistics.median(_timed_call(pipes[0], case, r)[0] for r in range(8))
+    marked: list[Any] = [None]
+
+    def mark(pipe: Any) -> None:
+        marked[0] = pipe
+
+    def burning(pipe: Any, r: int) -> tuple[float, list[float]]:
+        t0 = time.perf_counter()
+        _, steps = _timed_call(pipe, case, r)
+        if pipe is marked[0]:
+            end = time.perf_counter() + burn_s
+            while time.perf_counter() < end:
+                pass
+        return time.perf_counter() - t0, steps
+
+    rows = {}
+    for name, call, sides in (("aa", lambda p, r: _timed_call(p, case, r), (mark, mark)),
+                              ("known_1pct", burning, (mark, lambda p: None))):
+        rule = StopRule(stop.min_rounds, stop.max_rounds, stop.precision, stop.budget_s, progress=stop.progress)
+        calls, _ = crossover(pipes, call, rule.max_rounds, block, stop=_stop_on_totals(rule, block), sides=sides)
+        rows[name] = summarize(case, calls, block)
+    return {"burn_ms": round(burn_s * 1e3, 3)} | rows
 
 
 def parse_case(case: str) -> tuple[str, RealCase]:

@@ -2,7 +2,8 @@
 
 Two pipelines built from the same seed, one instrumented, called in alternating order round by round (so the
 host's drift cancels in each pair); per round the instrumented call's time over the bare one's is a paired
-ratio, and the median of 160 of them has a 95% interval about 1.5% wide here.  The instrumented side moves
+ratio; their trimmed mean and its block-bootstrap interval (exporter/paired.py) are measured until the
+interval is within --precision.  The instrumented side moves
 to the other pipeline every few rounds (a crossover), because two pipelines built alike are not equally
 fast on this VM.  The chunk's own time is the call's time over its chunks (text encoding
 included: what a session pays per chunk).
@@ -23,12 +24,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from stepwatch.exporter.paired import StopRule, paired_difference, paired_ratio
+
 SIZE, FRAMES, STEPS = 64, 25, 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=160,
-                   help="paired rounds, each one bare and one instrumented call (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="a fixed number of paired rounds, each one bare and one instrumented call (default: "
+                        "adaptive: at least 160, then on until the ratio's interval is within --precision)")
+    p.add_argument("--precision", type=float, default=0.004,
+                   help="stop once the ratio's 95%% interval is within this of the estimate on each side "
+                        "(default: %(default)s)")
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="most seconds of paired rounds before it stops short of --precision (default: %(default)s)")
     p.add_argument("--steps", type=int, default=STEPS, help="denoising steps per chunk (default: %(default)s)")
     p.add_argument("--swap-every", type=int, default=8,
                    help="rounds before the instrumented side moves to the other pipeline (default: %(default)s)")
@@ -89,8 +98,8 @@ def hooks_cost_us(inst: Any, calls: int = 20000) -> float:
     return (statistics.median(per["hooked"]) - statistics.median(per["bare"])) * 1e6
 
 
-def _crossover(rounds: int, steps: int, block: int,
-               progress: Callable[[str], None]) -> tuple[dict[str, list[float]], Any]:
+def _crossover(rounds: int, steps: int, block: int, progress: Callable[[str], None],
+               stop: StopRule | None) -> tuple[dict[str, list[float]], Any]:
     """The calls of bench.crossover on two FAR pipelines built alike, timed."""
     from stepwatch.exporter.bench import crossover
     from stepwatch.service.pipeline import build_pipeline
@@ -100,54 +109,64 @@ def _crossover(rounds: int, steps: int, block: int,
                  f"instrumented {out['inst'][-1] * 1e3:.0f} ms")
 
     pipes = build_pipeline("far", seed=0), build_pipeline("far", seed=0)
-    return crossover(pipes, lambda p, r: _timed(p, steps), rounds, block, report)
+    until = None if stop is None else (lambda out: stop.done(out["inst"], out["bare"], 2 * block))
+    return crossover(pipes, lambda p, r: _timed(p, steps), rounds, block, report, stop=until)
 
 
 def measure(rounds: int, steps: int, progress: Callable[[str], None] = lambda s: None,
-            block: int = 8, threads: int = 1) -> dict[str, Any]:
+            block: int = 8, threads: int = 1, stop: StopRule | None = None) -> dict[str, Any]:
     """Bare vs instrumented FAR calls, paired round by round on one torch thread (two threads on this
-    2-core VM double the noise a neighbour makes); per chunk figures and the ratio's 95% interval."""
+    2-core VM double the noise a neighbour makes); per chunk figures and the ratio's 95% interval.
+    ``rounds`` of them, or with ``stop`` as many as it asks for (at most its max_rounds)."""
     import torch
 
-    from stepwatch.exporter.bench import _ci  # torch: only once a measurement runs
-
+    block = max(1, block)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        times, inst = _crossover(rounds, steps, max(1, block), progress)
+        times, inst = _crossover(stop.max_rounds if stop else rounds, steps, block, progress, stop)
     finally:
         torch.set_num_threads(before)
     report = inst.last_report
     chunks = len(report.stream.chunk_seconds) if report is not None and report.stream else 4
-    ratios = [i / b for i, b in zip(times["inst"], times["bare"], strict=True)]
-    diffs = [i - b for i, b in zip(times["inst"], times["bare"], strict=True)]
-    lo, hi = _ci(ratios)
+    ratio, (lo, hi) = paired_ratio(times["inst"], times["bare"], 2 * block)
+    diff, _ = paired_difference(times["inst"], times["bare"], 2 * block)
+    rounds = len(times["bare"])
     hooks_us = hooks_cost_us(inst)
     chunk_s = statistics.median(times["bare"]) / chunks
     return {
         "chunks": chunks, "steps_per_chunk": steps, "rounds": rounds, "swap_every": block, "threads": threads,
         "chunk_ms_bare": round(statistics.median(times["bare"]) / chunks * 1e3, 3),
         "chunk_ms_instrumented": round(statistics.median(times["inst"]) / chunks * 1e3, 3),
-        "ratio": round(statistics.median(ratios), 4), "ci95": [round(lo, 4), round(hi, 4)],
+        "ratio": round(ratio, 4), "ci95": [round(lo, 4), round(hi, 4)],
         "hooks_us_per_chunk": round(hooks_us, 2),
         "hooks_ratio": round(1 + hooks_us * 1e-6 / chunk_s, 5),
-        "wall_diff_us_per_chunk": round(statistics.median(diffs) / chunks * 1e6, 1),
+        "wall_diff_us_per_chunk": round(diff / chunks * 1e6, 1),
         "kv_bytes": report.stream.kv_allocated_bytes if report is not None and report.stream else None,
         "kv_ledger_bytes": report.stream.kv_ledger_bytes if report is not None and report.stream else None,
     }
 
 
+def stop_rule(rounds: int, precision: float = 0.004, budget_s: float = 300.0) -> StopRule:
+    """A fixed count when ``rounds`` is given, else at least 160 rounds and on until ``precision``."""
+    if rounds:
+        return StopRule(rounds, rounds, precision, float("inf"))
+    return StopRule(160, precision=precision, budget_s=budget_s)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.rounds < 2 or args.steps < 1 or args.swap_every < 1 or args.threads < 1:
-        print("bench stream: --rounds must be at least 2; --steps, --swap-every and --threads at least 1",
-              file=sys.stderr)
+    if (args.rounds and args.rounds < 2) or args.rounds < 0 or args.steps < 1 or args.swap_every < 1 \
+            or args.threads < 1 or args.precision <= 0 or args.budget_s <= 0:
+        print("bench stream: --rounds must be 0 (adaptive) or at least 2; --steps, --swap-every and --threads at "
+              "least 1; --precision and --budget-s positive", file=sys.stderr)
         return 2
     print(f"building two tiny causal FAR pipelines ({SIZE}x{SIZE}, {FRAMES} frames, {args.steps} steps per chunk)"
           "...", file=sys.stderr)
     r = measure(args.rounds, args.steps, progress=lambda s: print(s, file=sys.stderr, flush=True),
-                block=args.swap_every, threads=args.threads)
+                block=args.swap_every, threads=args.threads, stop=stop_rule(args.rounds, args.precision, args.budget_s))
     print(f"per chunk: bare {r['chunk_ms_bare']:.2f} ms, instrumented {r['chunk_ms_instrumented']:.2f} ms; "
-          f"ratio {r['ratio']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] (paired median, 95% CI); "
+          f"ratio {r['ratio']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] over {r['rounds']} rounds (paired, "
+          f"trimmed mean, 95% CI); "
           f"wall-clock difference {r['wall_diff_us_per_chunk']:.0f} us per chunk")
     print(f"hooks timed directly: {r['hooks_us_per_chunk']:.2f} us per chunk -> instrumented / bare "
           f"{r['hooks_ratio']:.5f} of the chunk's time")

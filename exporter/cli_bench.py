@@ -6,11 +6,13 @@ so drift (thermal, caches, other load) hits both alike; every 8 rounds the
 instrumentation moves to the other pipeline (a crossover: two objects built
 alike differ by a few percent on a shared VM, and that difference cancels).  Per case it reports
 the median per-step time of each variant (a step timed by the same
-``callback_on_step_end`` in both) and the overhead per step from the median of
-paired whole-request differences (each instrumented call against the bare
-call next to it), so per-request bookkeeping is counted too, and the ratio as
-the median of the paired instrumented/bare request times, each with a bootstrap
-95% interval.  The named cases are the smallest and a large shape, a distilled
+``callback_on_step_end`` in both), the overhead per step from paired
+whole-request differences (each instrumented call against the bare call next
+to it, so per-request bookkeeping counts too) and the ratio from the paired
+instrumented/bare request times: trimmed means with block-bootstrap 95%
+intervals, measured until the interval is within ``--precision`` (paired.py
+says why; ``--calibrate`` shows the estimator reading an A/A as 1 and a known
+1% cost as 1.01 on the same host).  The named cases are the smallest and a large shape, a distilled
 model's few-step shape and FirstBlockCache with true CFG.  ``--hooks-only``
 measures just the hooks' own cost on a stub pipeline with no compute (seconds):
 per extra step (``hooks_per_step_us``) and once per request, per configuration.
@@ -28,6 +30,7 @@ import sys
 from typing import Any
 
 from stepwatch.exporter import bench
+from stepwatch.exporter.paired import StopRule
 
 TWO_RANKS = "two_ranks"
 STREAM = "stream"  # the chunked causal FAR pipeline, per chunk (exporter/bench_stream.py)
@@ -43,7 +46,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"before vs bare; {STREAM} = the chunked video pipeline per chunk, as `bench stream` "
                    "(default: all named cases)")
     p.add_argument("--rounds", type=int, default=0,
-                   help="interleaved rounds per case (default: 160 up to 512^2, else 24)")
+                   help="a fixed number of interleaved rounds per case (default: adaptive, at least 160 up to "
+                        "512^2, else 24, then on until the ratio's interval is within --precision)")
+    p.add_argument("--precision", type=float, default=0.004,
+                   help="stop a case once its ratio's 95%% interval is within this of the estimate on each side "
+                        "(default: %(default)s, i.e. +-0.4%%)")
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="most seconds per case before it stops short of --precision (default: %(default)s)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also ask the estimator two known questions on the first case's pipelines: an A/A "
+                        "(must read 1) and a 1%% busy-wait (must read about 1.01)")
     p.add_argument("--hooks-only", action="store_true",
                    help="only the stub pipeline's row: the hooks' own host cost, no model (quick)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
@@ -65,11 +77,30 @@ def _run_cases(cases: list[tuple[str, bench.RealCase]], args: argparse.Namespace
         if case.cache not in pairs:
             print(f"building two identical practice pipelines (seed 0, cache {case.cache})...", file=sys.stderr)
             pairs[case.cache] = bench.pipelines(case.cache)
-        rounds = args.rounds or bench.default_rounds(case.size)
-        print(f"  running {name}: {case.shape}, {rounds} interleaved rounds...", file=sys.stderr)
-        results.append({"name": name} | bench.run_case(pairs[case.cache], case, rounds))
+        rule = _stop_rule(args, case)
+        print(f"  running {name}: {case.shape}, {rule.min_rounds}-{rule.max_rounds} interleaved rounds (to +-"
+              f"{rule.precision:.2%} or {rule.budget_s:.0f} s)...", file=sys.stderr)
+        results.append({"name": name} | bench.run_case(pairs[case.cache], case, rule.max_rounds, rule))
         _print_case(results[-1])
     return results
+
+
+def _stop_rule(args: argparse.Namespace, case: bench.RealCase) -> StopRule:
+    """--rounds fixes the count; otherwise the case runs until its interval is narrow enough (paired.py)."""
+    if args.rounds:
+        return StopRule(args.rounds, args.rounds, args.precision, float("inf"))
+    return StopRule(bench.default_rounds(case.size), precision=args.precision, budget_s=args.budget_s,
+                    progress=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def _calibration(args: argparse.Namespace, cases: list[tuple[str, bench.RealCase]]) -> dict[str, Any]:
+    name, case = cases[0]
+    print(f"  calibrating on {name} ({case.shape}): an A/A and a known 1% cost...", file=sys.stderr)
+    r = bench.calibrate(bench.pipelines(case.cache), case, _stop_rule(args, case))
+    for arm in ("aa", "known_1pct"):
+        _print_case({"name": arm} | r[arm])
+    return {"case": name, "burn_ms": r["burn_ms"]} | {arm: {k: r[arm][k] for k in ("ratio", "ratio_ci95", "rounds")}
+                                                      for arm in ("aa", "known_1pct")}
 
 
 def _two_ranks(rounds: int) -> dict[str, Any]:
@@ -91,8 +122,9 @@ def _two_ranks(rounds: int) -> dict[str, Any]:
 def _stream(rounds: int) -> dict[str, Any]:
     from stepwatch.exporter import bench_stream
 
-    print(f"  running {STREAM}: the tiny causal FAR pipeline, {rounds} paired rounds (crossover)...", file=sys.stderr)
-    r = bench_stream.measure(rounds, bench_stream.STEPS)
+    print(f"  running {STREAM}: the tiny causal FAR pipeline, {rounds or 'adaptive'} paired rounds (crossover)...",
+          file=sys.stderr)
+    r = bench_stream.measure(rounds, bench_stream.STEPS, stop=bench_stream.stop_rule(rounds))
     print(f"stream per chunk: bare {r['chunk_ms_bare']:.2f} ms, instrumented {r['chunk_ms_instrumented']:.2f} ms, "
           f"ratio {r['ratio']:.4f} {r['ci95']}; hooks {r['hooks_us_per_chunk']:.1f} us per chunk")
     return r
@@ -118,9 +150,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"bench overhead: {e}", file=sys.stderr)
         return 2
+    if args.precision <= 0 or args.budget_s <= 0 or args.rounds < 0 or (args.rounds and args.rounds < 2):
+        print("bench overhead: --precision and --budget-s must be positive, --rounds 0 (adaptive) or at least 2",
+              file=sys.stderr)
+        return 2
     results = [] if args.hooks_only else _run_cases(cases, args)
+    calibration = _calibration(args, cases) if args.calibrate and cases and not args.hooks_only else None
     ranks = None if args.hooks_only or TWO_RANKS not in args.cases else _two_ranks(args.rounds or 40)
-    stream = None if args.hooks_only or STREAM not in args.cases else _stream(args.rounds or 160)
+    stream = None if args.hooks_only or STREAM not in args.cases else _stream(args.rounds)
     print("measuring the hooks' own cost on a stub pipeline (no compute)...", file=sys.stderr)
     hooks = bench.hooks_cost()
     print(f"hooks alone (stub pipeline, 4 steps): {hooks['request_us']:.1f} us per request, "
@@ -139,5 +176,6 @@ def run(args: argparse.Namespace) -> int:
             "stub_cases": stub,
             "two_ranks": ranks,
             "stream": stream,
+            "calibration": calibration,
         }))
     return 0

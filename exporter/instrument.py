@@ -356,7 +356,7 @@ class Instrumentation:
             if opened is not None:
                 req.stream.lead_seconds = max(0.0, time.perf_counter() - opened)
         req.rank_request = rank_request if rank_request is not None else -1
-        self.memory.reset_peak()
+        self.memory.reset_peak(check=True)
         self._local.req = req
         self._local.prev_sink = WATCH.set_sink(lambda s, d: req.compiles.append((s, d)))
         return req

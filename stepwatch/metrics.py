@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -10,8 +9,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from stepwatch.catalog import METRICS, MetricDef, Owner
-
-_SHARED: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, MetricSet]] = weakref.WeakKeyDictionary()
 
 
 class MetricSet:
@@ -44,7 +41,9 @@ class MetricSet:
     def shared(cls, registry: CollectorRegistry, owner: Owner) -> MetricSet:
         """One set per (registry, owner): instrumenting again, or a second pipeline, reuses the collectors
         (prometheus_client refuses to register a name twice)."""
-        per_owner = _SHARED.setdefault(registry, {})
+        # Kept on the registry itself: a weak-keyed map whose values (the collectors) hold the registry
+        # kept every registry alive (bench overhead's crossover leaked one per swap).
+        per_owner: dict[str, MetricSet] = registry.__dict__.setdefault("_stepwatch_metric_sets", {})
         ms = per_owner.get(owner)
         if ms is None:
             ms = per_owner[owner] = cls(registry, owner)

@@ -1,0 +1,85 @@
+"""The paired estimate of bench overhead / bench stream (exporter/paired.py): what it reads on synthetic pairs
+whose answer is known, and when the crossover stops."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+from stepwatch.exporter.bench import StubPipeline, crossover
+from stepwatch.exporter.paired import StopRule, paired_difference, paired_ratio, trimmed_mean
+
+
+def _pairs(cost: float, n: int, seed: int = 1) -> tuple[list[float], list[float]]:
+    """Pairs with this VM's noise shape: a drift both calls of a pair share, 7% independent noise per call, and
+    a burst of contention (+60%) on one call in twenty; the instrumented call costs ``cost`` more."""
+    rng = random.Random(seed)
+    inst: list[float] = []
+    bare: list[float] = []
+    for r in range(n):
+        drift = 1 + 0.2 * math.sin(r / 30)
+        for out, extra in ((bare, 0.0), (inst, cost)):
+            burst = 1.6 if rng.random() < 0.05 else 1.0
+            out.append(0.05 * drift * (1 + extra) * math.exp(rng.gauss(0, 0.07)) * burst)
+    return inst, bare
+
+
+def test_the_trimmed_mean_ignores_a_burst() -> None:
+    assert trimmed_mean([1.0] * 8 + [100.0, -100.0]) == 1.0
+    assert trimmed_mean([2.0]) == 2.0
+
+
+def test_an_a_a_reads_one_and_a_known_one_percent_reads_one_percent() -> None:
+    inst, bare = _pairs(0.0, 2000)
+    ratio, (lo, hi) = paired_ratio(inst, bare, block=16)
+    assert lo <= 1.0 <= hi and abs(ratio - 1) < 0.005 and hi - lo < 0.012
+    inst, bare = _pairs(0.01, 2000, seed=2)
+    ratio, (lo, hi) = paired_ratio(inst, bare, block=16)
+    assert lo <= 1.01 <= hi and lo > 1.0 and abs(ratio - 1.01) < 0.005
+    diff, (dlo, dhi) = paired_difference(inst, bare, block=16)
+    assert dlo <= diff <= dhi and 0 < diff < 0.001
+
+
+def test_the_stop_rule_waits_for_its_minimum_then_for_the_precision() -> None:
+    inst, bare = _pairs(0.0, 2000)
+    rule = StopRule(min_rounds=160, max_rounds=4000, precision=0.006, budget_s=1e9)
+    assert not rule.done(inst[:100], bare[:100], 16)  # under the minimum
+    assert not rule.done(inst[:160], bare[:160], 16) and rule.half_width > 0.006  # too wide yet
+    assert rule.done(inst, bare, 16) and rule.half_width <= 0.006
+    assert StopRule(2, 2).done(inst[:2], bare[:2], 16)  # a fixed count
+    assert StopRule(10, precision=1e-9, budget_s=0.0).done(inst[:10], bare[:10], 16)  # out of time
+
+
+def test_the_crossover_asks_the_stop_rule_after_both_pipelines_sat_on_both_sides() -> None:
+    pipes = (StubPipeline(), StubPipeline())
+    asked: list[int] = []
+
+    def stop(out: dict[str, list[Any]]) -> bool:
+        asked.append(len(out["bare"]))
+        return len(out["bare"]) >= 8
+
+    out, _ = crossover(pipes, lambda p, r: pipes.index(p), rounds=100, block=2, stop=stop)
+    assert asked == [4, 8] and len(out["bare"]) == len(out["inst"]) == 8
+    assert out["inst"] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_a_registry_instrumented_and_let_go_is_freed() -> None:
+    """bench's crossover instruments a fresh registry per swap: each must go with its instrumentation (a
+    weak-keyed map of metric sets kept every one alive)."""
+    import gc
+    import weakref
+
+    from prometheus_client import CollectorRegistry
+
+    from stepwatch.exporter import instrument, uninstrument
+
+    pipe = StubPipeline()
+    registry = CollectorRegistry()
+    instrument(pipe, registry=registry)
+    pipe("p", num_inference_steps=2)
+    uninstrument(pipe)
+    gone = weakref.ref(registry)
+    del registry
+    gc.collect()
+    assert gone() is None
