@@ -147,11 +147,12 @@ def measure(rounds: int, steps: int, progress: Callable[[str], None] = lambda s:
     }
 
 
-def stop_rule(rounds: int, precision: float = 0.004, budget_s: float = 300.0) -> StopRule:
+def stop_rule(rounds: int, precision: float = 0.004, budget_s: float = 300.0,
+              progress: Callable[[str], None] | None = None) -> StopRule:
     """A fixed count when ``rounds`` is given, else at least 160 rounds and on until ``precision``."""
     if rounds:
         return StopRule(rounds, rounds, precision, float("inf"))
-    return StopRule(160, precision=precision, budget_s=budget_s)
+    return StopRule(160, precision=precision, budget_s=budget_s, progress=progress)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,8 +163,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"building two tiny causal FAR pipelines ({SIZE}x{SIZE}, {FRAMES} frames, {args.steps} steps per chunk)"
           "...", file=sys.stderr)
-    r = measure(args.rounds, args.steps, progress=lambda s: print(s, file=sys.stderr, flush=True),
-                block=args.swap_every, threads=args.threads, stop=stop_rule(args.rounds, args.precision, args.budget_s))
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    # A fixed count says each round; an adaptive run says its interval every few seconds instead.
+    r = measure(args.rounds, args.steps, progress=say if args.rounds else lambda s: None, block=args.swap_every,
+                threads=args.threads, stop=stop_rule(args.rounds, args.precision, args.budget_s, say))
     print(f"per chunk: bare {r['chunk_ms_bare']:.2f} ms, instrumented {r['chunk_ms_instrumented']:.2f} ms; "
           f"ratio {r['ratio']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] over {r['rounds']} rounds (paired, "
           f"trimmed mean, 95% CI); "

@@ -8,7 +8,10 @@ the time a thread was runnable but not running.
 
 from __future__ import annotations
 
+import math
 import os
+import time
+from collections.abc import Callable
 
 
 def schedstat_seconds() -> tuple[float, float] | None:
@@ -47,3 +50,31 @@ def cpu_run_seconds() -> float | None:
     neighbour waits far longer than one that merely keeps several threads busy."""
     both = schedstat_seconds()
     return None if both is None else both[0]
+
+
+class SchedstatReader:
+    """The run and wait counters of one scrape from one walk of /proc/self/task (an open and a read per
+    thread; a torch process has dozens): the two counters ask within microseconds of each other, so a
+    reading younger than ``fresh_s`` is reused.  Scrapes come seconds apart; a counter read twice inside
+    a second gives the same value twice, which a counter may."""
+
+    def __init__(self, read: Callable[[], tuple[float, float] | None] = schedstat_seconds,
+                 fresh_s: float = 1.0) -> None:
+        self._read = read
+        self._fresh_s = fresh_s
+        self._at = -math.inf
+        self._last: tuple[float, float] | None = None
+
+    def _reading(self) -> tuple[float, float] | None:
+        now = time.monotonic()
+        if now - self._at >= self._fresh_s:
+            self._last, self._at = self._read(), now
+        return self._last
+
+    def ran(self) -> float | None:
+        both = self._reading()
+        return None if both is None else both[0]
+
+    def waited(self) -> float | None:
+        both = self._reading()
+        return None if both is None else both[1]

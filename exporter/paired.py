@@ -73,6 +73,8 @@ class StopRule:
     started: float = field(default_factory=time.monotonic)
     half_width: float = math.inf
     progress: Callable[[str], None] | None = None
+    progress_every_s: float = 10.0
+    _said_at: float = -math.inf
 
     def done(self, inst: list[float], bare: list[float], block: int) -> bool:
         n = len(inst)
@@ -83,7 +85,8 @@ class StopRule:
         ratio, (lo, hi) = paired_ratio(inst, bare, block)
         self.half_width = (hi - lo) / 2
         elapsed = time.monotonic() - self.started
-        if self.progress is not None:
+        if self.progress is not None and elapsed - self._said_at >= self.progress_every_s:
+            self._said_at = elapsed
             self.progress(f"    {n} rounds, {elapsed:.0f} s: ratio {ratio:.4f} +-{self.half_width:.2%} "
                           f"(stops at +-{self.precision:.2%} or {self.budget_s:.0f} s)")
         return self.half_width <= self.precision or elapsed >= self.budget_s

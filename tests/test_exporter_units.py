@@ -356,3 +356,19 @@ def test_bench_crossover_moves_the_instrumentation_between_the_two_pipelines() -
     assert all(instrumented == (i == (0 if n < 6 else 1)) for n, (i, instrumented) in enumerate(seen))
     assert len(seen) == 4 * 2 + 2 * 2  # two timed calls per round, two discarded per swap
     assert handle is pipes[1].__dict__[ATTR] and ATTR not in pipes[0].__dict__
+
+
+def test_one_scrape_walks_the_threads_once_for_both_cpu_counters() -> None:
+    from stepwatch.exporter.cpu import SchedstatReader
+
+    walks = iter([(2.0, 0.5), (3.0, 0.75), None])
+    calls: list[int] = []
+
+    def read() -> tuple[float, float] | None:
+        calls.append(1)
+        return next(walks)
+
+    scrape_once = SchedstatReader(read, fresh_s=60.0)
+    assert (scrape_once.ran(), scrape_once.waited(), len(calls)) == (2.0, 0.5, 1)  # one scrape: one walk
+    every_time = SchedstatReader(read, fresh_s=0.0)
+    assert (every_time.waited(), every_time.ran(), len(calls)) == (0.75, None, 3)  # no schedstat: no series
