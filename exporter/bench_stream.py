@@ -19,14 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from stepwatch.exporter.paired import StopRule, paired_difference, paired_ratio
+from stepwatch.exporter.paired import StopRule, paired_difference, paired_ratio, pooled_ratio
 
 SIZE, FRAMES, STEPS = 64, 25, 4
+PROCESS_ROUNDS = 96  # per process when several are pooled: ~1 min each here
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-every", type=int, default=8,
                    help="rounds before the instrumented side moves to the other pipeline (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads during the calls (default: %(default)s)")
+    p.add_argument("--processes", type=int, default=4,
+                   help="fresh processes to measure in, one after another, each --rounds (default there: "
+                        f"{PROCESS_ROUNDS}); the ratio is pooled across them, its interval from their spread "
+                        "(1: this process only, adaptive rounds; default: %(default)s)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
 
 
@@ -161,8 +167,14 @@ def run(args: argparse.Namespace) -> int:
         print("bench stream: --rounds must be 0 (adaptive) or at least 2; --steps, --swap-every and --threads at "
               "least 1; --precision and --budget-s positive", file=sys.stderr)
         return 2
+    if args.processes < 1:
+        print("bench stream: --processes must be at least 1", file=sys.stderr)
+        return 2
+    if args.processes > 1:
+        return _run_pooled(args)
     print(f"building two tiny causal FAR pipelines ({SIZE}x{SIZE}, {FRAMES} frames, {args.steps} steps per chunk)"
           "...", file=sys.stderr)
+
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
@@ -175,6 +187,49 @@ def run(args: argparse.Namespace) -> int:
           f"wall-clock difference {r['wall_diff_us_per_chunk']:.0f} us per chunk")
     print(f"hooks timed directly: {r['hooks_us_per_chunk']:.2f} us per chunk -> instrumented / bare "
           f"{r['hooks_ratio']:.5f} of the chunk's time")
+    print(f"KV cache: {r['kv_bytes']} bytes read from the tensors, {r['kv_ledger_bytes']} by the ledger")
+    if args.json:
+        print(json.dumps(r))
+    return 0
+
+
+def _child(args: argparse.Namespace, k: int) -> dict[str, Any] | None:
+    cmd = [sys.executable, "-m", "stepwatch.cli", "bench", "stream", "--json", "--processes", "1",
+           "--rounds", str(args.rounds or PROCESS_ROUNDS), "--steps", str(args.steps),
+           "--swap-every", str(args.swap_every), "--threads", str(args.threads)]
+    print(f"process {k + 1}/{args.processes}: {args.rounds or PROCESS_ROUNDS} paired rounds...", file=sys.stderr,
+          flush=True)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        print(f"bench stream: process {k + 1} failed (exit {done.returncode})", file=sys.stderr)
+        return None
+    r: dict[str, Any] = json.loads(lines[-1])
+    print(f"  ratio {r['ratio']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}], {r['chunk_ms_bare']:.1f} ms per "
+          "chunk bare", file=sys.stderr, flush=True)
+    return r
+
+
+def _run_pooled(args: argparse.Namespace) -> int:
+    """The measurement in several fresh processes, pooled (paired.pooled_ratio says why)."""
+    runs = [r for k in range(args.processes) if (r := _child(args, k)) is not None]
+    if len(runs) < 2:
+        print("bench stream: fewer than two processes measured", file=sys.stderr)
+        return 1
+    ratio, (lo, hi) = pooled_ratio([r["ratio"] for r in runs])
+    first = runs[0]
+    r = {"chunk_ms_bare": round(statistics.median(x["chunk_ms_bare"] for x in runs), 3),
+         "chunk_ms_instrumented": round(statistics.median(x["chunk_ms_instrumented"] for x in runs), 3),
+         "ratio": round(ratio, 4), "ci95": [round(lo, 4), round(hi, 4)],
+         "hooks_us_per_chunk": round(statistics.median(x["hooks_us_per_chunk"] for x in runs), 2),
+         "processes": len(runs), "process_ratios": [x["ratio"] for x in runs],
+         "rounds_per_process": first["rounds"], "chunks": first["chunks"], "steps_per_chunk": first["steps_per_chunk"],
+         "wall_diff_us_per_chunk": round(statistics.median(x["wall_diff_us_per_chunk"] for x in runs), 1),
+         "kv_bytes": first["kv_bytes"], "kv_ledger_bytes": first["kv_ledger_bytes"]}
+    print(f"per chunk: bare {r['chunk_ms_bare']:.2f} ms, instrumented {r['chunk_ms_instrumented']:.2f} ms; ratio "
+          f"{ratio:.4f} [{lo:.4f}, {hi:.4f}] over {len(runs)} processes of {first['rounds']} rounds (geometric mean, "
+          f"t interval across processes: {', '.join(f'{x:.4f}' for x in r['process_ratios'])})")
+    print(f"hooks timed directly: {r['hooks_us_per_chunk']:.2f} us per chunk")
     print(f"KV cache: {r['kv_bytes']} bytes read from the tensors, {r['kv_ledger_bytes']} by the ledger")
     if args.json:
         print(json.dumps(r))

@@ -121,10 +121,10 @@ def _two_ranks(rounds: int) -> dict[str, Any]:
 
 
 def _stream(rounds: int, precision: float, budget_s: float) -> dict[str, Any] | None:
-    """``bench stream`` in a process of its own.  In this one, after the FLUX cases, the FAR pipeline
-    read 1.0158 [1.0100, 1.0214] and 1.0185 [1.0095, 1.0277] (2026-12-05) where a fresh process reads
-    0.99-1.00 with all hooks on, and the hooks cost ~20 us per chunk timed directly: the FLUX runs leave
-    the process in a state (heap, caches) that a streaming worker, which serves one pipeline, never has."""
+    """``bench stream``, in fresh processes pooled (its --processes).  In this one, after the FLUX cases, the
+    FAR pipeline read 1.0158 [1.0100, 1.0214] and 1.0185 [1.0095, 1.0277] (2026-12-05), fresh processes
+    0.994-1.012, and the hooks cost ~20 us per chunk timed directly: the FLUX runs leave the process in a
+    state (heap, caches) that a streaming worker, which serves one pipeline, never has."""
     print(f"  running {STREAM}: the tiny causal FAR pipeline, {rounds or 'adaptive'} paired rounds (crossover), "
           "in a fresh process...", file=sys.stderr)
     cmd = [sys.executable, "-m", "stepwatch.cli", "bench", "stream", "--json", "--rounds", str(rounds),

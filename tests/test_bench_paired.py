@@ -83,3 +83,13 @@ def test_a_registry_instrumented_and_let_go_is_freed() -> None:
     del registry
     gc.collect()
     assert gone() is None
+
+
+def test_processes_that_disagree_widen_the_pooled_interval() -> None:
+    from stepwatch.exporter.paired import pooled_ratio
+
+    ratio, (lo, hi) = pooled_ratio([1.0, 1.0, 1.0])
+    assert ratio == lo == hi == 1.0
+    ratio, (lo, hi) = pooled_ratio([0.994, 1.019, 1.0119, 1.0003])
+    assert 1.005 < ratio < 1.007 and lo < 0.995 and hi > 1.017  # four processes, t with 3 degrees of freedom
+    assert pooled_ratio([1.02])[1] == (1.02, 1.02)
