@@ -93,3 +93,30 @@ def test_processes_that_disagree_widen_the_pooled_interval() -> None:
     ratio, (lo, hi) = pooled_ratio([0.994, 1.019, 1.0119, 1.0003])
     assert 1.005 < ratio < 1.007 and lo < 0.995 and hi > 1.017  # four processes, t with 3 degrees of freedom
     assert pooled_ratio([1.02])[1] == (1.02, 1.02)
+
+
+def test_bench_stream_pools_its_processes(monkeypatch: Any, capsys: Any) -> None:
+    """`bench stream --processes N`: each child's last JSON line, pooled; a failed child is left out and said."""
+    import argparse
+    import json
+
+    from stepwatch.exporter import bench_stream
+
+    runs = iter([{"ratio": 1.02, "ci95": [1.01, 1.03]}, None, {"ratio": 1.0, "ci95": [0.99, 1.01]}])
+    base = {"chunk_ms_bare": 60.0, "chunk_ms_instrumented": 61.0, "hooks_us_per_chunk": 12.0, "rounds": 96,
+            "chunks": 4, "steps_per_chunk": 4, "wall_diff_us_per_chunk": 500.0, "kv_bytes": 43008,
+            "kv_ledger_bytes": 43008}
+
+    def child(args: argparse.Namespace, k: int) -> dict[str, Any] | None:
+        r = next(runs)
+        return None if r is None else base | r
+
+    monkeypatch.setattr(bench_stream, "_child", child)
+    p = argparse.ArgumentParser()
+    bench_stream.add_arguments(p)
+    assert bench_stream.run(p.parse_args(["--processes", "3", "--json"])) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["processes"] == 2 and out["process_ratios"] == [1.02, 1.0]
+    assert abs(out["ratio"] - math.sqrt(1.02)) < 1e-4 and out["ci95"][0] < 1.0 < 1.02 < out["ci95"][1]
+    assert out["kv_bytes"] == out["kv_ledger_bytes"] == 43008
+    assert bench_stream.run(p.parse_args(["--processes", "0"])) == 2
