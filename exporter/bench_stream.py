@@ -33,13 +33,15 @@ PROCESS_ROUNDS = 96  # per process when several are pooled: ~1 min each here
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=0,
-                   help="a fixed number of paired rounds, each one bare and one instrumented call (default: "
-                        "adaptive: at least 160, then on until the ratio's interval is within --precision)")
+                   help="a fixed number of paired rounds per process, each one bare and one instrumented call "
+                        f"(default: {PROCESS_ROUNDS} per process; with --processes 1, adaptive: at least 160, then "
+                        "on until the ratio's interval is within --precision)")
     p.add_argument("--precision", type=float, default=0.004,
-                   help="stop once the ratio's 95%% interval is within this of the estimate on each side "
-                        "(default: %(default)s)")
+                   help="with --processes 1: stop once the ratio's 95%% interval is within this of the estimate on "
+                        "each side (default: %(default)s)")
     p.add_argument("--budget-s", type=float, default=300.0,
-                   help="most seconds of paired rounds before it stops short of --precision (default: %(default)s)")
+                   help="with --processes 1: most seconds of paired rounds before it stops short of --precision "
+                        "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=STEPS, help="denoising steps per chunk (default: %(default)s)")
     p.add_argument("--swap-every", type=int, default=8,
                    help="rounds before the instrumented side moves to the other pipeline (default: %(default)s)")
