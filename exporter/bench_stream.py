@@ -25,7 +25,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stepwatch.exporter.paired import StopRule, paired_difference, paired_ratio, pooled_ratio
+from stepwatch.exporter.paired import (
+    BUDGET_S,
+    PRECISION,
+    StopRule,
+    paired_difference,
+    paired_ratio,
+    pooled_ratio,
+)
 
 SIZE, FRAMES, STEPS = 64, 25, 4
 PROCESS_ROUNDS = 96  # per process when several are pooled: ~1 min each here
@@ -36,10 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a fixed number of paired rounds per process, each one bare and one instrumented call "
                         f"(default: {PROCESS_ROUNDS} per process; with --processes 1, adaptive: at least 160, then "
                         "on until the ratio's interval is within --precision)")
-    p.add_argument("--precision", type=float, default=0.004,
+    p.add_argument("--precision", type=float, default=PRECISION,
                    help="with --processes 1: stop once the ratio's 95%% interval is within this of the estimate on "
                         "each side (default: %(default)s)")
-    p.add_argument("--budget-s", type=float, default=300.0,
+    p.add_argument("--budget-s", type=float, default=BUDGET_S,
                    help="with --processes 1: most seconds of paired rounds before it stops short of --precision "
                         "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=STEPS, help="denoising steps per chunk (default: %(default)s)")
@@ -155,12 +162,10 @@ def measure(rounds: int, steps: int, progress: Callable[[str], None] = lambda s:
     }
 
 
-def stop_rule(rounds: int, precision: float = 0.004, budget_s: float = 300.0,
+def stop_rule(rounds: int, precision: float = PRECISION, budget_s: float = BUDGET_S,
               progress: Callable[[str], None] | None = None) -> StopRule:
     """A fixed count when ``rounds`` is given, else at least 160 rounds and on until ``precision``."""
-    if rounds:
-        return StopRule(rounds, rounds, precision, float("inf"))
-    return StopRule(160, precision=precision, budget_s=budget_s, progress=progress)
+    return StopRule.of(rounds, 160, precision, budget_s, progress)
 
 
 def run(args: argparse.Namespace) -> int:

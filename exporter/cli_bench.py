@@ -31,7 +31,7 @@ import sys
 from typing import Any
 
 from stepwatch.exporter import bench
-from stepwatch.exporter.paired import StopRule
+from stepwatch.exporter.paired import BUDGET_S, PRECISION, StopRule
 
 TWO_RANKS = "two_ranks"
 STREAM = "stream"  # the chunked causal FAR pipeline, per chunk (exporter/bench_stream.py)
@@ -49,10 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=0,
                    help="a fixed number of interleaved rounds per case (default: adaptive, at least 160 up to "
                         "512^2, else 24, then on until the ratio's interval is within --precision)")
-    p.add_argument("--precision", type=float, default=0.004,
+    p.add_argument("--precision", type=float, default=PRECISION,
                    help="stop a case once its ratio's 95%% interval is within this of the estimate on each side "
                         "(default: %(default)s, i.e. +-0.4%%)")
-    p.add_argument("--budget-s", type=float, default=300.0,
+    p.add_argument("--budget-s", type=float, default=BUDGET_S,
                    help="most seconds per case before it stops short of --precision (default: %(default)s)")
     p.add_argument("--calibrate", action="store_true",
                    help="also ask the estimator two known questions on the first case's pipelines: an A/A "
@@ -88,10 +88,8 @@ def _run_cases(cases: list[tuple[str, bench.RealCase]], args: argparse.Namespace
 
 def _stop_rule(args: argparse.Namespace, case: bench.RealCase) -> StopRule:
     """--rounds fixes the count; otherwise the case runs until its interval is narrow enough (paired.py)."""
-    if args.rounds:
-        return StopRule(args.rounds, args.rounds, args.precision, float("inf"))
-    return StopRule(bench.default_rounds(case.size), precision=args.precision, budget_s=args.budget_s,
-                    progress=lambda line: print(line, file=sys.stderr, flush=True))
+    return StopRule.of(args.rounds, bench.default_rounds(case.size), args.precision, args.budget_s,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _calibration(args: argparse.Namespace, cases: list[tuple[str, bench.RealCase]]) -> dict[str, Any]:

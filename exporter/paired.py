@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 TRIM = 0.2
 BOOTSTRAP_RESAMPLES = 400
+PRECISION = 0.004  # the default half-width the benches measure to (--precision)
+BUDGET_S = 300.0  # the default seconds a bench case may take before stopping short of it (--budget-s)
 
 
 def trimmed_mean(values: list[float], trim: float = TRIM) -> float:
@@ -68,13 +70,22 @@ class StopRule:
 
     min_rounds: int = 160
     max_rounds: int = 4000
-    precision: float = 0.004
-    budget_s: float = 300.0
+    precision: float = PRECISION
+    budget_s: float = BUDGET_S
     started: float = field(default_factory=time.monotonic)
     half_width: float = math.inf
     progress: Callable[[str], None] | None = None
     progress_every_s: float = 10.0
     _said_at: float = -math.inf
+
+    @classmethod
+    def of(cls, rounds: int, min_rounds: int, precision: float = PRECISION, budget_s: float = BUDGET_S,
+           progress: Callable[[str], None] | None = None) -> StopRule:
+        """The rule a bench's options ask for: ``rounds`` > 0 fixes the count; 0 runs from ``min_rounds``
+        until ``precision`` or ``budget_s``."""
+        if rounds:
+            return cls(rounds, rounds, precision, math.inf)
+        return cls(min_rounds, precision=precision, budget_s=budget_s, progress=progress)
 
     def done(self, inst: list[float], bare: list[float], block: int) -> bool:
         n = len(inst)
