@@ -456,3 +456,36 @@ def test_service_and_sidecar_names_used_appear_live(th: Any, runbooks: dict[str,
         assert used, owner
         assert used <= declared, (owner, used - declared)
         assert used <= sampled, (owner, used - sampled)
+
+
+@pytest.mark.needs_tool("promtool")
+@pytest.mark.parametrize("needed, ratios, expected", [
+    # An overloaded pool on shared CPUs: one instance a few percent off the median is noise inside the
+    # bad-instance line; it must not explain away a shortage of 2% (CI, 2026-12-05, named bad_instance).
+    (3.06, (1.0, 1.0, 1.09), 1.02),
+    # One instance 60% slower: it costs the pool a fifth of its speed, more than the 10% shortage.
+    (3.3, (1.0, 1.0, 1.6), 1.1 / 1.2),
+    # Nobody slow: the shortage as it stands.
+    (3.6, (1.0, 0.98, 1.01), 1.2),
+])
+def test_pool_short_at_median_speed_counts_only_instances_past_the_line(
+        th: Any, runbooks: dict[str, parse.Runbook], tmp_path: Path,
+        needed: float, ratios: tuple[float, ...], expected: float) -> None:
+    """The capacity runbook's third check, evaluated by promtool on series of a three-instance pool."""
+    q = runbooks["StepwatchPoolCapacityShort"].check("short_at_median_speed").render({"job": "svc"}, th, "drill")
+    w = th.profiles["drill"].rate_window
+    series = [{"series": f'job:stepwatch_service_instances:needed_rate{w}{{job="svc"}}', "values": f"{needed}x2"},
+              {"series": 'job:stepwatch_service_instances:ready{job="svc"}', "values": "3x2"}]
+    series += [{"series": f'instance_shape:stepwatch_pipeline_step_duration_seconds:ratio_to_fleet_median_rate{w}'
+                          f'{{job="svc", instance="i{i}", shape="512x512_8s"}}', "values": f"{r}x2"}
+               for i, r in enumerate(ratios)]
+    (tmp_path / "empty.yml").write_text("groups: []\n")
+    test = {"rule_files": ["empty.yml"], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series,
+                       "promql_expr_test": [{"expr": f"round({q}, 0.001)", "eval_time": "1m",
+                                             "exp_samples": [{"labels": '{job="svc"}',
+                                                              "value": round(expected, 3)}]}]}]}
+    f = tmp_path / "t.yml"
+    f.write_text(yaml.safe_dump(test))
+    r = subprocess.run([need_tool("promtool"), "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
