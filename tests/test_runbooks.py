@@ -463,8 +463,11 @@ def test_service_and_sidecar_names_used_appear_live(th: Any, runbooks: dict[str,
     # An overloaded pool on shared CPUs: one instance a few percent off the median is noise inside the
     # bad-instance line; it must not explain away a shortage of 2% (CI, 2026-12-05, named bad_instance).
     (3.06, (1.0, 1.0, 1.09), 1.02),
-    # One instance 60% slower: it costs the pool a fifth of its speed, more than the 10% shortage.
-    (3.3, (1.0, 1.0, 1.6), 1.1 / 1.2),
+    # Past the line, only the excess beyond it counts: 20% slower, a 3% shortage is still the load's.
+    (3.09, (1.0, 1.0, 1.2), 1.03 / (1 + 0.1 / 3)),
+    (3.15, (1.0, 1.0, 1.2), 1.05 / (1 + 0.1 / 3)),
+    # One instance 60% slower: its lost share (beyond the line) is more than the 10% shortage.
+    (3.3, (1.0, 1.0, 1.6), 1.1 / (1 + 0.5 / 3)),
     # Nobody slow: the shortage as it stands.
     (3.6, (1.0, 0.98, 1.01), 1.2),
 ])
