@@ -14,10 +14,10 @@ three: ``seeds``), queue-overload, straggler, straggler-neighbour and worker-sta
 others fire: cache-off, straggler-step-time, fingerprint-change, cache-threshold-raise,
 cache-kind, compile-cache-dropped, shape-too-large, worker-killed, pipeline-errors, worker-freeze,
 cpu-contention, sidecar-killed, host-down, gpu-throttle),
-video-vae-untiled and cache-on-distilled (video jobs and the few-step video model), stream-stall,
-kv-window-too-long and drift (streaming sessions), replica-lost, node-lost, agent-lost,
-alertmanager-peer-lost, central-store-outage, bad-instance and pool-short (``fleet``: on one start of
-the practice fleet, ``stepwatch fleet up``), or all.
+video-vae-untiled, cache-on-distilled and video-worker-killed (video jobs and the few-step video
+model), stream-stall, stream-cpu-contention, kv-window-too-long and drift (streaming sessions),
+replica-lost, node-lost, agent-lost, alertmanager-peer-lost, central-store-outage, bad-instance and
+pool-short (``fleet``: on one start of the practice fleet, ``stepwatch fleet up``), or all.
 
 ``--record DIR`` re-records the triage evaluation set on the code as it is: run
 ``stepwatch drill all --record triage/scenarios --suffix N`` (and

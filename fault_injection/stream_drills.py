@@ -1,18 +1,20 @@
-"""Drills on the practice service's streaming sessions: chunks slower than real time, a KV window past memory.
+"""Drills on the practice service's streaming sessions: chunks slower than real time (steps raised, or a CPU-bound
+neighbour), a KV window past memory, drift.
 
-Both run on the one-rank drill stack (streaming is on there) while its image traffic goes on: every image
+All run on the one-rank drill stack (streaming is on there) while its image traffic goes on: every image
 request must still be answered.  Their blocks are in runbooks/drills.md ("Streaming sessions"); the sessions
 go through the public API (``POST /v1/stream/sessions``, server-sent events), as a viewer's player would.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 from stepwatch import httpclient
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.drills import ClientLoop, Drill, DrillResult
+from stepwatch.fault_injection.drills import ClientLoop, Drill, DrillResult, start_neighbours
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.service.sessions import parse_sse
 
@@ -104,6 +106,33 @@ class StreamStall(Drill):
         r.checks["sessions_stream_after_restore"] = seen.get("outcome") == "done"
 
 
+class StreamCpuContention(StreamStall):
+    """CPU-bound processes beside the worker while sessions stream, no knob touched: the rival of raised steps
+    behind the real-time-factor alert (the host side of every step of every chunk runs late)."""
+
+    name = "stream-cpu-contention"
+    doc_id = "stream_cpu_contention"
+    in_place_when_injected = True  # the neighbours run from the moment they are started
+    description = ("CPU-bound processes share every CPU of the worker while sessions stream (a co-located job, no "
+                   "knob touched): every chunk takes longer to generate than its frames play. The real-time-factor "
+                   "alert fires and triage names the CPU contention, not the steps or the window.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details["serving_knobs"] = stack.info()["knobs"]
+        cpus = sorted(os.sched_getaffinity(int(stack.info()["worker"]["pid"])))
+        per_cpu = int(self.spec.inject["cpu_neighbours"].get("per_cpu", 1))
+        r.details["_neighbours"] = start_neighbours(cpus, per_cpu)
+        r.details["_sessions"] = SessionLoop(stack, dict(self.spec.traffic.get("session") or {})).start()
+        r.notes.append(f"{per_cpu} CPU-bound process(es) pinned to each of the worker's CPUs {cpus}; sessions at "
+                       f"{self.spec.traffic.get('session')}")
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        for p in r.details.pop("_neighbours", []):
+            p.kill()
+            p.wait()
+        super().restore(stack, r)
+
+
 class KvWindowTooLong(Drill):
     name = "kv-window-too-long"
     doc_id = "kv_window_too_long"
@@ -175,4 +204,4 @@ class Drift(Drill):
         r.checks["sessions_stream_after_restore"] = seen.get("outcome") == "done"
 
 
-STREAM_DRILLS: tuple[type[Drill], ...] = (StreamStall, KvWindowTooLong, Drift)
+STREAM_DRILLS: tuple[type[Drill], ...] = (StreamStall, KvWindowTooLong, Drift, StreamCpuContention)

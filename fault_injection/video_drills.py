@@ -1,12 +1,15 @@
-"""Drills on the practice service's video jobs: an untiled decode of a long clip, a cache on the distilled model.
+"""Drills on the practice service's video jobs: an untiled decode of a long clip, a cache on the distilled model, the
+worker killed mid-job.
 
-Both run on the ordinary one-rank drill stack (video jobs are on by default) while its image traffic goes
+All run on the ordinary one-rank drill stack (video jobs are on by default) while its image traffic goes
 on: every image request must still be answered.  Their blocks are in runbooks/drills.md ("Video and few-step
 serving"); the video jobs go through the public API (``POST /v1/videos``, polled), as a client's would.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -160,4 +163,62 @@ class CacheOnDistilled(Drill):
         r.checks["job_counters_add_up"] = counters_add_up(job_counters(stack))
 
 
-VIDEO_DRILLS: tuple[type[Drill], ...] = (VideoVaeUntiled, CacheOnDistilled)
+class VideoWorkerKilled(Drill):
+    """The worker killed while it runs a video job: the rival of an untiled decode behind VideoJobsFailing."""
+
+    name = "video-worker-killed"
+    doc_id = "video_worker_killed"
+    # In flight when it died, or sent while the new worker warms up: the restart is the fault's own answer.
+    companions = ("error_ratio", "probe_failing", "queue_wait", "target_down")
+    health_turns_red = True
+    baseline_accepts = frozenset({200, 503})
+    description = ("The worker process killed (SIGKILL) while it generates a video job: that job fails with "
+                   "worker_died after its client was answered 202, the service restarts the worker. The failed-jobs "
+                   "alert fires and triage names the crash, not an OOM or the pipeline; the next job succeeds.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details["jobs_before"] = job_counters(stack)
+        job = submit_video(stack, **dict(self.spec.traffic.get("video") or {}))
+        running = _wait_status(stack, job["id"], "running")
+        pid = int(stack.info()["worker"]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        r.details["killed_pid"] = pid
+        ended = wait_video(stack, job["id"])
+        err = ended.get("error") or {}
+        r.details["killed_job"] = {k: ended.get(k) for k in ("id", "status", "step", "steps", "error")}
+        r.checks["job_was_running_when_killed"] = running
+        r.checks["job_fails_worker_died"] = ended.get("status") == "failed" and err.get("code") == "worker_died"
+        r.notes.append(f"worker {pid} killed with SIGKILL while job {job['id']} ran")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        c = job_counters(stack)
+        r.details["jobs_while_firing"] = c
+        r.checks["job_counters_add_up"] = counters_add_up(c)
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        """The service restarts its worker itself."""
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        deadline = time.time() + JOB_TIMEOUT_S
+        while not stack.healthy() and time.time() < deadline:
+            time.sleep(1)
+        job = run_video(stack)
+        r.checks["jobs_served_after_restart"] = job.get("status") == "succeeded"
+        r.checks["job_counters_add_up_after"] = counters_add_up(job_counters(stack))
+
+
+def _wait_status(stack: LocalStack, job_id: str, status: str, timeout: float = 60.0) -> bool:
+    """Poll until the job reports ``status`` (True), or ends or the timeout passes (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        _code, job, _ = _http("GET", f"{stack.service_url}/v1/videos/{job_id}", timeout=30)
+        seen = job.get("status") if isinstance(job, dict) else None
+        if seen == status:
+            return True
+        if seen in DONE:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+VIDEO_DRILLS: tuple[type[Drill], ...] = (VideoVaeUntiled, CacheOnDistilled, VideoWorkerKilled)

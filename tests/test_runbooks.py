@@ -254,9 +254,9 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       "worker_freeze", "cpu_contention", "sidecar_killed", "host_down", "gpu_throttle",
                                       "shape_too_large",
                                       # video jobs and few-step serving
-                                      "video_vae_untiled", "cache_on_distilled",
+                                      "video_vae_untiled", "cache_on_distilled", "video_worker_killed",
                                       # streaming sessions
-                                      "stream_stall", "kv_window_too_long", "drift",
+                                      "stream_stall", "stream_cpu_contention", "kv_window_too_long", "drift",
                                       # the practice fleet
                                       "replica_lost", "alertmanager_peer_lost", "central_store_outage",
                                       "bad_instance", "node_lost", "agent_lost", "pool_short"]
@@ -267,7 +267,7 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
         for alert, cause in d.also.items():  # an alert in hand: its runbook (or its join) can reach the cause
             assert alert != d.alerts[0] and th.by_name(alert) is not None, (d.id, alert)
             assert cause in CAUSES, (d.id, alert, cause)
-    assert sum(len(d.also) for d in drills) == 29
+    assert sum(len(d.also) for d in drills) == 32
 
 
 @pytest.mark.parametrize("also, message", [
