@@ -179,7 +179,7 @@ class VideoWorkerKilled(Drill):
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         r.details["jobs_before"] = job_counters(stack)
         job = submit_video(stack, **dict(self.spec.traffic.get("video") or {}))
-        running = _wait_status(stack, job["id"], "running")
+        running = _wait_running(stack, job["id"])
         pid = int(stack.info()["worker"]["pid"])
         os.kill(pid, signal.SIGKILL)
         r.details["killed_pid"] = pid
@@ -207,15 +207,17 @@ class VideoWorkerKilled(Drill):
         r.checks["job_counters_add_up_after"] = counters_add_up(job_counters(stack))
 
 
-def _wait_status(stack: LocalStack, job_id: str, status: str, timeout: float = 60.0) -> bool:
-    """Poll until the job reports ``status`` (True), or ends or the timeout passes (False)."""
+def _wait_running(stack: LocalStack, job_id: str, timeout: float = 60.0) -> bool:
+    """Poll until the job is past its first step and short of its last (True): killed then, it dies mid-job;
+    False when it ended first or the timeout passed.  (Killed as soon as it read "running", a short job had
+    finished its last step before the signal landed, and succeeded.)"""
     deadline = time.time() + timeout
     while time.time() < deadline:
         _code, job, _ = _http("GET", f"{stack.service_url}/v1/videos/{job_id}", timeout=30)
-        seen = job.get("status") if isinstance(job, dict) else None
-        if seen == status:
+        job = job if isinstance(job, dict) else {}
+        if job.get("status") == "running" and 1 <= int(job.get("step") or 0) < int(job.get("steps") or 0) - 1:
             return True
-        if seen in DONE:
+        if job.get("status") in DONE:
             return False
         time.sleep(0.05)
     return False
