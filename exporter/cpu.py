@@ -14,23 +14,62 @@ import time
 from collections.abc import Callable
 
 
-def schedstat_seconds() -> tuple[float, float] | None:
-    """(ran, waited): seconds this process's threads ran on a CPU and were runnable but waited for one
-    (Linux schedstat, summed over the threads), or None where there is no schedstat.
-
-    Thread-seconds: two threads waiting one second count two."""
-    ran = waited = 0
+def schedstat_threads() -> dict[str, tuple[int, int]] | None:
+    """Per live thread id: (ran, waited) nanoseconds on and waiting for a CPU (Linux schedstat), or None
+    where there is no schedstat."""
+    out: dict[str, tuple[int, int]] = {}
     try:
         for task in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{task}/schedstat") as f:
                     fields = f.read().split()
-                ran, waited = ran + int(fields[0]), waited + int(fields[1])
+                out[task] = int(fields[0]), int(fields[1])
             except (OSError, IndexError, ValueError):
                 continue  # a thread that just ended
     except OSError:
         return None
-    return ran / 1e9, waited / 1e9
+    return out
+
+
+def schedstat_seconds() -> tuple[float, float] | None:
+    """(ran, waited): seconds this process's live threads ran on a CPU and were runnable but waited for one
+    (summed over the threads), or None where there is no schedstat.  A thread that ends takes its seconds
+    with it: for a counter, ``ThreadTotals``.
+
+    Thread-seconds: two threads waiting one second count two."""
+    threads = schedstat_threads()
+    if threads is None:
+        return None
+    return sum(r for r, _ in threads.values()) / 1e9, sum(w for _, w in threads.values()) / 1e9
+
+
+class ThreadTotals:
+    """The process's (ran, waited) seconds as counters: the live threads' sums plus the last reading of every
+    thread that has ended since, so the totals never go down.
+
+    A plain sum over /proc/self/task drops an ended thread's seconds: a streaming session's thread ending
+    made the scraped counter fall (2026-12-05), Prometheus read the fall as a reset, and the CPU check of a
+    stall triage looked at nonsense.  What an ended thread did after the last reading is lost (an
+    undercount of at most one scrape interval of one thread); a thread id reused with smaller counters is a
+    new thread."""
+
+    def __init__(self, read: Callable[[], dict[str, tuple[int, int]] | None] = schedstat_threads) -> None:
+        self._read = read
+        self._last: dict[str, tuple[int, int]] = {}
+        self._ended = (0, 0)
+
+    def __call__(self) -> tuple[float, float] | None:
+        now = self._read()
+        if now is None:
+            return None
+        ran_ended, waited_ended = self._ended
+        for tid, (ran, waited) in self._last.items():
+            seen = now.get(tid)
+            if seen is None or seen[0] < ran or seen[1] < waited:
+                ran_ended, waited_ended = ran_ended + ran, waited_ended + waited
+        self._ended, self._last = (ran_ended, waited_ended), now
+        return ((ran_ended + sum(r for r, _ in now.values())) / 1e9,
+                (waited_ended + sum(w for _, w in now.values())) / 1e9)
 
 
 def runqueue_wait_seconds() -> float | None:

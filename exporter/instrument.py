@@ -42,7 +42,7 @@ from stepwatch import __version__
 from stepwatch.exporter import caches, chunks, hooks, ledger, patches, spans
 from stepwatch.exporter.clock import Clock, clock_for
 from stepwatch.exporter.compile_watch import WATCH
-from stepwatch.exporter.cpu import SchedstatReader, schedstat_seconds
+from stepwatch.exporter.cpu import SchedstatReader, ThreadTotals
 from stepwatch.exporter.hooks import ATTR
 from stepwatch.exporter.memory import MemoryProbe, is_oom, oom_requested_bytes, probe_for
 from stepwatch.exporter.publish import Publisher
@@ -194,7 +194,7 @@ class Instrumentation:
         the event counters of the allowlisted shapes at 0."""
         m = self.metrics
         m.exporter_build.info({"stepwatch": __version__, "pipeline": type(self.pipe).__name__, **_versions()})
-        schedstat = SchedstatReader(schedstat_seconds)
+        schedstat = SchedstatReader(ThreadTotals())
         ScrapeCounter("stepwatch_pipeline_cpu_wait_seconds_total", schedstat.waited, m.registry)
         ScrapeCounter("stepwatch_pipeline_cpu_run_seconds_total", schedstat.ran, m.registry)
         dev = self.memory.device

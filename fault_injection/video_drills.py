@@ -178,9 +178,11 @@ class VideoWorkerKilled(Drill):
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         r.details["jobs_before"] = job_counters(stack)
+        # The pid before the job: /v1/stepwatch/info waits for the busy worker, so asked mid-job it answered
+        # once the job was done, and the kill found an idle worker (the job succeeded, twice).
+        pid = int(stack.info()["worker"]["pid"])
         job = submit_video(stack, **dict(self.spec.traffic.get("video") or {}))
         running = _wait_running(stack, job["id"])
-        pid = int(stack.info()["worker"]["pid"])
         os.kill(pid, signal.SIGKILL)
         r.details["killed_pid"] = pid
         ended = wait_video(stack, job["id"])

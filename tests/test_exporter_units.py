@@ -6,6 +6,7 @@ No model and no torch pipeline: plain objects, float clock marks and a fresh reg
 from __future__ import annotations
 
 import importlib
+import time
 from typing import Any
 
 import pytest
@@ -372,3 +373,43 @@ def test_one_scrape_walks_the_threads_once_for_both_cpu_counters() -> None:
     assert (scrape_once.ran(), scrape_once.waited(), len(calls)) == (2.0, 0.5, 1)  # one scrape: one walk
     every_time = SchedstatReader(read, fresh_s=0.0)
     assert (every_time.waited(), every_time.ran(), len(calls)) == (0.75, None, 3)  # no schedstat: no series
+
+
+def test_cpu_counters_keep_the_seconds_of_threads_that_ended() -> None:
+    """A thread that ends must not take its seconds out of the process's counters (a counter that falls reads
+    as a reset); a thread id reused with smaller readings is a new thread."""
+    from stepwatch.exporter.cpu import ThreadTotals
+
+    readings = iter([{"1": (10, 4), "2": (6, 2)},
+                     {"1": (12, 5)},                # thread 2 ended
+                     {"1": (13, 5), "2": (1, 1)},   # id 2 reused by a new thread
+                     None])
+    totals = ThreadTotals(lambda: next(readings))
+    assert [totals() for _ in range(4)] == [(16e-9, 6e-9), (18e-9, 7e-9), (20e-9, 8e-9), None]
+
+
+def test_cpu_counters_never_fall_when_real_threads_end() -> None:
+    import threading
+
+    from stepwatch.exporter.cpu import ThreadTotals, schedstat_seconds
+
+    totals = ThreadTotals()
+    if totals() is None:
+        pytest.skip("no schedstat here")
+
+    def burn() -> None:
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+
+    threads = [threading.Thread(target=burn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    during = totals()
+    for t in threads:
+        t.join()
+    live_sum = schedstat_seconds()
+    after = totals()
+    assert during is not None and after is not None and live_sum is not None
+    assert after[0] >= during[0] and after[1] >= during[1]
+    assert after[0] >= live_sum[0]  # the ended threads' seconds stay in

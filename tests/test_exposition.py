@@ -47,7 +47,7 @@ def test_renders_byte_for_byte_what_generate_latest_renders() -> None:
 
 def test_exporter_and_sidecar_registries_render_identically(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     # The CPU wait and run counters are read from schedstat at each scrape: held still, so two renders compare.
-    monkeypatch.setattr(sys.modules["stepwatch.exporter.instrument"], "schedstat_seconds", lambda: (2.5, 1.5))
+    monkeypatch.setattr(sys.modules["stepwatch.exporter.instrument"], "ThreadTotals", lambda: lambda: (2.5, 1.5))
     reg = CollectorRegistry()
     pipe = StubPipeline(branches=2, cache=True)
     instrument(pipe, registry=reg, shapes=["256x256_4s_cfg", "512x256_4s_cfg"])
