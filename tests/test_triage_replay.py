@@ -235,7 +235,7 @@ def test_record_round_trip(replays: dict[str, Replay], tmp_path: Path) -> None:
         assert report.causes == ["straggler_rank"]
 
 
-COMMITTED = {"faults": 87, "controls": 63, "false_alarms": 23}  # triage/README.md, "The evaluation set"
+COMMITTED = {"faults": 91, "controls": 59, "false_alarms": 23}  # triage/README.md, "The evaluation set"
 # Cases recorded fresh and wrong on the runbooks as they are: open defects, kept in the set so that the score
 # says so (triage/README.md); a fix is scored on a fresh recording, not on these.  Run 9's four others left
 # the set when their runbooks (or their label) changed because of them; runs 12-14 score those changes.
@@ -272,8 +272,8 @@ def test_eval_over_committed_scenarios() -> None:
         sc = load_scenario(p.parent)
         assert sc.get("runbooks_revision"), p.parent.name
     total = sum(f.stat().st_size for f in SCENARIOS.rglob("*") if f.is_file())
-    # Committed data stays small: ~100 KB a recorded case (6.3 MB after run 9, 9.2 MB after run 13); past 10 MB
-    # the oldest runs' cases that newer runs repeat leave the set.
+    # Committed data stays small: ~100 KB a recorded case (6.3 MB after run 9, 9.2 MB after run 13, 9.8 MiB after
+    # run 17); past 10 MiB the oldest runs' cases that newer runs repeat leave the set.
     assert total < 10 * 2**20
 
 
