@@ -440,6 +440,21 @@ def start_neighbours(cpus: list[int], per_cpu: int) -> list[subprocess.Popen[byt
             for cpu in cpus for _ in range(per_cpu)]
 
 
+
+def crowd_worker(stack: LocalStack, r: DrillResult, per_cpu: int) -> list[int]:
+    """``per_cpu`` busy loops on each CPU of the one-rank worker (its affinity), kept in ``r`` for
+    ``stop_neighbours``; returns the CPUs."""
+    cpus = sorted(os.sched_getaffinity(int(stack.info()["worker"]["pid"])))
+    r.details["_neighbours"] = start_neighbours(cpus, per_cpu)
+    return cpus
+
+
+def stop_neighbours(r: DrillResult) -> None:
+    """Kill the busy loops a drill started (``start_neighbours``, kept in ``r.details["_neighbours"]``)."""
+    for p in r.details.pop("_neighbours", []):
+        p.kill()
+        p.wait()
+
 class StragglerNeighbour(Drill):
     name = "straggler-neighbour"
     reads_baselines = False  # rank skew and the stall read no per-shape baseline
@@ -471,9 +486,7 @@ class StragglerNeighbour(Drill):
             r.details["rank_busy_ratio_at_restore"] = {s.label("rank"): round(s.value, 3) for s in ratios}
         except PromError as e:
             r.notes.append(f"rank ratio query failed: {e}")
-        for p in r.details.pop("_neighbours", []):
-            p.kill()
-            p.wait()
+        stop_neighbours(r)
 
 
 class WorkerStall(Drill):

@@ -30,7 +30,7 @@ from typing import Any
 
 from stepwatch import httpclient
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.drills import Drill, DrillResult, start_neighbours
+from stepwatch.fault_injection.drills import Drill, DrillResult, start_neighbours, stop_neighbours
 from stepwatch.fault_injection.stack import Traffic, starts_at
 from stepwatch.promapi import Alertmanager, Prometheus
 
@@ -307,9 +307,7 @@ class BadInstance(FleetDrill):
         r.checks["only_the_crowded_instance"] = named == [self.instance]
 
     def restore(self, stack: Any, r: DrillResult) -> None:
-        for p in r.details.pop("_neighbours", []):
-            p.kill()
-            p.wait()
+        stop_neighbours(r)
         _pin(r.details.get("crowded_pids", []), sorted(os.sched_getaffinity(0)))
 
 

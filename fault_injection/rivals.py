@@ -43,7 +43,8 @@ from stepwatch.fault_injection.drills import (
     _http_json,
     _mean_step,
     _rate_window,
-    start_neighbours,
+    crowd_worker,
+    stop_neighbours,
 )
 from stepwatch.fault_injection.stack import LocalStack
 
@@ -262,10 +263,8 @@ class CpuContention(Drill):
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         r.details["step_seconds_before"] = _mean_step(stack, self.th)
         r.details["cpu_wait_before"] = stack.prom.value(queries.pipeline_cpu_wait(_rate_window(self.th, stack)))
-        pid = int(stack.info()["worker"]["pid"])
-        cpus = sorted(os.sched_getaffinity(pid))
         per_cpu = int(self.spec.inject["cpu_neighbours"].get("per_cpu", 1))
-        r.details["_neighbours"] = start_neighbours(cpus, per_cpu)
+        cpus = crowd_worker(stack, r, per_cpu)
         r.notes.append(f"{per_cpu} CPU-bound process(es) pinned to each of the worker's CPUs {cpus}")
 
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
@@ -277,9 +276,7 @@ class CpuContention(Drill):
         r.checks["waits_for_a_cpu"] = wait is not None and wait > float(self.th.diagnosis["cpu_wait"])
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
-        for p in r.details.pop("_neighbours", []):
-            p.kill()
-            p.wait()
+        stop_neighbours(r)
 
 
 class SidecarKilled(Drill):

@@ -8,13 +8,12 @@ go through the public API (``POST /v1/stream/sessions``, server-sent events), as
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from stepwatch import httpclient
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.drills import ClientLoop, Drill, DrillResult, start_neighbours
+from stepwatch.fault_injection.drills import ClientLoop, Drill, DrillResult, crowd_worker, stop_neighbours
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.service.sessions import parse_sse
 
@@ -119,17 +118,14 @@ class StreamCpuContention(StreamStall):
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         r.details["serving_knobs"] = stack.info()["knobs"]
-        cpus = sorted(os.sched_getaffinity(int(stack.info()["worker"]["pid"])))
         per_cpu = int(self.spec.inject["cpu_neighbours"].get("per_cpu", 1))
-        r.details["_neighbours"] = start_neighbours(cpus, per_cpu)
+        cpus = crowd_worker(stack, r, per_cpu)
         r.details["_sessions"] = SessionLoop(stack, dict(self.spec.traffic.get("session") or {})).start()
         r.notes.append(f"{per_cpu} CPU-bound process(es) pinned to each of the worker's CPUs {cpus}; sessions at "
                        f"{self.spec.traffic.get('session')}")
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
-        for p in r.details.pop("_neighbours", []):
-            p.kill()
-            p.wait()
+        stop_neighbours(r)
         super().restore(stack, r)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepwatch import httpclient
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.drills import ClientLoop, Drill, DrillResult
+from stepwatch.fault_injection.rivals import WorkerKilled
 from stepwatch.fault_injection.stack import LocalStack, _http
 
 DONE = ("succeeded", "failed", "cancelled")
@@ -33,14 +35,22 @@ def submit_video(stack: LocalStack, **body: Any) -> dict[str, Any]:
     return answer
 
 
-def wait_video(stack: LocalStack, job_id: str, timeout: float = JOB_TIMEOUT_S) -> dict[str, Any]:
-    """Poll a job until it ends (or the timeout: then its last view, still in flight)."""
+def poll_video(stack: LocalStack, job_id: str, until: Callable[[dict[str, Any]], bool], timeout: float,
+               every: float) -> dict[str, Any]:
+    """Poll a job every ``every`` seconds until ``until(job)`` holds or the timeout passes: its last view."""
     deadline = time.time() + timeout
     while True:
         _status, job, _ = _http("GET", f"{stack.service_url}/v1/videos/{job_id}", timeout=30)
-        if not isinstance(job, dict) or job.get("status") in DONE or time.time() > deadline:
-            return dict(job) if isinstance(job, dict) else {"status": "unknown", "error": job}
-        time.sleep(0.25)
+        if not isinstance(job, dict):
+            return {"status": "unknown", "error": job}
+        if until(job) or time.time() > deadline:
+            return dict(job)
+        time.sleep(every)
+
+
+def wait_video(stack: LocalStack, job_id: str, timeout: float = JOB_TIMEOUT_S) -> dict[str, Any]:
+    """Poll a job until it ends (or the timeout: then its last view, still in flight)."""
+    return poll_video(stack, job_id, lambda job: job.get("status") in DONE, timeout, 0.25)
 
 
 def run_video(stack: LocalStack, **body: Any) -> dict[str, Any]:
@@ -163,15 +173,13 @@ class CacheOnDistilled(Drill):
         r.checks["job_counters_add_up"] = counters_add_up(job_counters(stack))
 
 
-class VideoWorkerKilled(Drill):
-    """The worker killed while it runs a video job: the rival of an untiled decode behind VideoJobsFailing."""
+class VideoWorkerKilled(WorkerKilled):
+    """The worker killed while it runs a video job: the rival of an untiled decode behind VideoJobsFailing.  As
+    worker-killed (the service restarts its worker; nothing to restore), with a video job as the victim."""
 
     name = "video-worker-killed"
     doc_id = "video_worker_killed"
-    # In flight when it died, or sent while the new worker warms up: the restart is the fault's own answer.
-    companions = ("error_ratio", "probe_failing", "queue_wait", "target_down")
-    health_turns_red = True
-    baseline_accepts = frozenset({200, 503})
+    companions = ("error_ratio", *WorkerKilled.companions)
     description = ("The worker process killed (SIGKILL) while it generates a video job: that job fails with "
                    "worker_died after its client was answered 202, the service restarts the worker. The failed-jobs "
                    "alert fires and triage names the crash, not an OOM or the pipeline; the next job succeeds.")
@@ -182,7 +190,8 @@ class VideoWorkerKilled(Drill):
         # once the job was done, and the kill found an idle worker (the job succeeded, twice).
         pid = int(stack.info()["worker"]["pid"])
         job = submit_video(stack, **dict(self.spec.traffic.get("video") or {}))
-        running = _wait_running(stack, job["id"])
+        running = _mid_job(poll_video(stack, job["id"], lambda j: _mid_job(j) or j.get("status") in DONE, 60.0,
+                                      0.05))
         os.kill(pid, signal.SIGKILL)
         r.details["killed_pid"] = pid
         ended = wait_video(stack, job["id"])
@@ -197,32 +206,17 @@ class VideoWorkerKilled(Drill):
         r.details["jobs_while_firing"] = c
         r.checks["job_counters_add_up"] = counters_add_up(c)
 
-    def restore(self, stack: LocalStack, r: DrillResult) -> None:
-        """The service restarts its worker itself."""
-
     def after(self, stack: LocalStack, r: DrillResult) -> None:
-        deadline = time.time() + JOB_TIMEOUT_S
-        while not stack.healthy() and time.time() < deadline:
-            time.sleep(1)
+        self._wait_ready(stack, int(r.details.get("killed_pid", 0)))
         job = run_video(stack)
         r.checks["jobs_served_after_restart"] = job.get("status") == "succeeded"
         r.checks["job_counters_add_up_after"] = counters_add_up(job_counters(stack))
 
 
-def _wait_running(stack: LocalStack, job_id: str, timeout: float = 60.0) -> bool:
-    """Poll until the job is past its first step and short of its last (True): killed then, it dies mid-job;
-    False when it ended first or the timeout passed.  (Killed as soon as it read "running", a short job had
-    finished its last step before the signal landed, and succeeded.)"""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        _code, job, _ = _http("GET", f"{stack.service_url}/v1/videos/{job_id}", timeout=30)
-        job = job if isinstance(job, dict) else {}
-        if job.get("status") == "running" and 1 <= int(job.get("step") or 0) < int(job.get("steps") or 0) - 1:
-            return True
-        if job.get("status") in DONE:
-            return False
-        time.sleep(0.05)
-    return False
+def _mid_job(job: dict[str, Any]) -> bool:
+    """Past its first step and short of its last: killed then, it dies mid-job.  (Killed as soon as it read
+    "running", a short job had finished its last step before the signal landed, and succeeded.)"""
+    return job.get("status") == "running" and 1 <= int(job.get("step") or 0) < int(job.get("steps") or 0) - 1
 
 
 VIDEO_DRILLS: tuple[type[Drill], ...] = (VideoVaeUntiled, CacheOnDistilled, VideoWorkerKilled)
