@@ -11,7 +11,7 @@ any drill fails.
 Drills: cache-threshold, off-menu-resolution, vae-tiling-oom (the seeds'
 three: ``seeds``), queue-overload, straggler, straggler-neighbour and worker-stall
 (two ranks), the rival faults (``rivals``: another true cause behind an alert the
-others fire: cache-off, straggler-step-time, fingerprint-change, cache-threshold-raise,
+others fire: cache-off, straggler-step-time, compile-off, fingerprint-change, cache-threshold-raise,
 cache-kind, compile-cache-dropped, shape-too-large, worker-killed, pipeline-errors, worker-freeze,
 cpu-contention, sidecar-killed, host-down, gpu-throttle),
 video-vae-untiled, cache-on-distilled and video-worker-killed (video jobs and the few-step video

@@ -7,15 +7,18 @@ mechanism, so only the runbook's checks can tell the cases apart (runbooks/drill
 "Rival causes"):
 
 - step time up: the cache turned off (`cache-off`), a straggler rank (`straggler-step-time`:
-  the step-time alert, not the rank-skew one, is the alert in hand);
+  the step-time alert, not the rank-skew one, is the alert in hand), torch.compile turned off
+  (`compile-off`);
 - cache hit rate off its baseline: the threshold raised (`cache-threshold-raise`), the
-  cache kind switched with the threshold unchanged (`cache-kind`);
+  cache kind switched with the threshold unchanged (`cache-kind`), the clients' prompts changed
+  with nothing on the service touched (`prompt-mix-shift`);
 - serving recompiles: warmed shapes compiling again after the compiled-graph cache was
   dropped (`compile-cache-dropped`);
 - memory: a request too large even with VAE tiling on (`shape-too-large`);
 - errors: the worker process killed (`worker-killed`), the pipeline raising non-OOM errors after a
   deploy forced an attention kernel the device lacks (`pipeline-errors`);
 - a stalled worker with one rank: the whole worker frozen (`worker-freeze`);
+- the queue wait high: that frozen worker with users still arriving (`worker-freeze-backlog`);
 - the quality baseline stale: the deployment changed under the prober (`fingerprint-change`);
 - a rank late: its GPU throttled, as NVML reports it (`gpu-throttle`, on the stand-in GPUs);
 - step time up on one rank: CPU-bound processes beside the worker (`cpu-contention`);
@@ -30,6 +33,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 from stepwatch import httpclient
 from stepwatch.exporter.sidecar.practice_gpus import write_state
@@ -46,7 +50,7 @@ from stepwatch.fault_injection.drills import (
     crowd_worker,
     stop_neighbours,
 )
-from stepwatch.fault_injection.stack import LocalStack
+from stepwatch.fault_injection.stack import DEFAULT_MIX, Arrivals, LocalStack
 
 
 class KnobFault(Drill):
@@ -102,14 +106,29 @@ class StragglerStepTime(Straggler):
         r.checks["slowest_rank_is_the_delayed_one"] = slowest in self.inject_knobs().get("rank_delay_seconds", {})
 
 
+class CompileOff(KnobFault):
+    name = "compile-off"
+    doc_id = "compile_off"
+    companions = ("baseline_stale", "queue_wait", "probe_failing")
+    silent = ("quality_drop",)  # eager runs the same math: the images stay; the prober stops comparing
+    description = ("torch.compile turned off on an instance that compiled its blocks at start (inductor): every "
+                   "step runs eager, about 1.3-1.6x slower per step on the practice model, while whole requests "
+                   "hardly change (the VAE decode dominates them). The deployment fingerprint changes too, and "
+                   "rebuilding the baseline would hide the slowdown: triage must name compile first.")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        ratio = self.step_ratio(stack, r)
+        r.details["step_time_ratio"] = ratio
+        r.checks["steps_slower"] = ratio is not None and ratio > 1.0
+
+
 class FingerprintChange(KnobFault):
     name = "fingerprint-change"
     doc_id = "fingerprint_change"
     companions = ("step_time_regression", "queue_wait", "probe_failing")
     silent = ("quality_drop",)  # a stale baseline reports no PSNR: it cannot read as a quality drop
-    # torch.compile makes the tiny practice model no faster on CPU (inductor: 0.373 s vs eager 0.382 s for
-    # 512^2 x 8), so a "compile off makes steps slow" drill cannot be honest here; the same switch does
-    # change the deployment fingerprint, which is this drill.
+    # The same switch as compile-off, with the quality baseline's alert in hand: compile is part of the
+    # deployment fingerprint, so the prober stops comparing whatever the step time does.
     description = ("The deployment changes under the quality prober (compile mode switched, as a rollout with "
                    "another torch.compile setting would): the baseline's fingerprint no longer matches, so the "
                    "prober stops comparing and says the baseline is stale; the images themselves are fine.")
@@ -135,6 +154,47 @@ class CacheKind(CacheThresholdRaise):
     description = ("The cache kind switched (FirstBlockCache -> MagCache, or TaylorSeer) with the threshold as it was: "
                    "the new cache reads the same number on another scale and reuses at another rate. A "
                    "configuration change to undo, not a threshold to lower.")
+
+
+class PromptMixShift(Drill):
+    """The clients' prompts change; nothing on the service does.
+
+    FirstBlockCache decides from how much the first block's output moves between steps, and that
+    depends on the prompt: on the practice model one prompt hits 1 of 8 steps and another 5, the
+    same for every seed (runbooks/drills.md, "Prompt mix shift").  The block's ``inject.prompts``
+    replace the baseline clients' prompts at both sizes; restore puts the baseline's back.
+    """
+
+    name = "prompt-mix-shift"
+    doc_id = "prompt_mix_shift"
+    companions = ("step_time_regression",)  # fewer hits: every step computes in full
+    description = ("The clients' prompts change (another product, another campaign) with the cache, its threshold "
+                   "and the model as they were: the cache's hit rate follows the prompts off its baseline band. "
+                   "Nothing is broken; a threshold change would be the wrong fix.")
+
+    def baseline_traffic(self) -> list[dict[str, Any]] | None:
+        return list(DEFAULT_MIX)
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        traffic = stack.active_traffic
+        if traffic is None:
+            raise RuntimeError("prompt-mix-shift needs the drill's baseline traffic running")
+        r.details["serving_knobs"] = stack.info()["knobs"]
+        r.details["_bodies"] = traffic.bodies
+        prompts = [str(p) for p in self.spec.inject["prompts"]]
+        traffic.bodies = [{**body, "prompt": p} for p in prompts for body in traffic.bodies]
+        r.notes.append(f"clients' prompts now {prompts}")
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        traffic = stack.active_traffic
+        if traffic is not None and "_bodies" in r.details:
+            traffic.bodies = r.details["_bodies"]
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        w = _rate_window(self.th, stack)
+        r.details["hit_ratio_by_shape"] = {s.label("shape"): round(s.value, 3)
+                                           for s in stack.prom.query(queries.hit_ratio_by_shape(w))}
+        r.checks["knobs_untouched"] = stack.info()["knobs"] == r.details.get("serving_knobs")
 
 
 class CompileCacheDropped(KnobFault):
@@ -372,8 +432,43 @@ class WorkerFreeze(WorkerStall):
         r.checks["readyz_503_while_stalled"] = code == 503
 
 
+class WorkerFreezeBacklog(WorkerFreeze):
+    """The frozen one-rank worker again, with users still arriving: the queue alert is the one in hand.
+
+    A hung worker pages through the queue first wherever requests keep coming: the estimate counts the
+    work queued behind it, the stall alert waits for its floor (20 s in drills, 5 minutes in production).
+    The queue runbook must find the hang, not a pool short of instances.
+    """
+
+    name = "worker-freeze-backlog"
+    doc_id = "worker_freeze_backlog"
+    companions = ("worker_stalled", "probe_failing", "error_ratio", "step_time_regression")
+    description = ("The one-rank worker frozen (SIGSTOP) while users keep arriving (open loop, a steady rate the "
+                   "instance serves easily): the queue behind the hung generation grows past half the SLO, "
+                   "usually before the stall alert's floor; triage of the queue alert must name the hung worker.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        arrivals = self.spec.traffic["arrivals"]
+        body = {"prompt": "a paper lantern", "size": str(arrivals["size"])}
+        r.details["_arrivals"] = Arrivals(stack.service_url, body, float(arrivals["per_second"])).start()
+        super().inject(stack, r)
+        r.notes.append(f"{arrivals['per_second']} requests/s of {arrivals['size']} arriving (open loop)")
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        r.details["queue_depth"] = {s.label("pool"): s.value for s in stack.prom.query("stepwatch_queue_depth")}
+        r.checks["queue_grew"] = max(r.details["queue_depth"].values(), default=0) > 0
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        arrivals = r.details.pop("_arrivals", None)
+        if arrivals is not None:
+            arrivals.stop()
+            r.details["arrival_codes"] = {str(k): v for k, v in sorted(arrivals.codes.items())}
+        super().restore(stack, r)
+
+
 # GpuThrottle last: its throttle stays in the runbooks' lookback (diagnosis.throttle_lookback) for the
 # stack's later rank drills, which would then be read as throttling.
-RIVALS: tuple[type[Drill], ...] = (CacheOff, StragglerStepTime, FingerprintChange, CacheThresholdRaise, CacheKind,
-                                   CompileCacheDropped, ShapeTooLarge, WorkerKilled, PipelineErrors, WorkerFreeze,
-                                   CpuContention, SidecarKilled, HostDown, GpuThrottle)
+RIVALS: tuple[type[Drill], ...] = (
+    CacheOff, StragglerStepTime, CompileOff, FingerprintChange, CacheThresholdRaise, CacheKind, PromptMixShift,
+    CompileCacheDropped, ShapeTooLarge, WorkerKilled, PipelineErrors, WorkerFreeze, WorkerFreezeBacklog, CpuContention,
+    SidecarKilled, HostDown, GpuThrottle)

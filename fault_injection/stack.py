@@ -351,6 +351,52 @@ class Traffic:
             return sum(self.codes.values())
 
 
+class Arrivals(Traffic):
+    """Open-loop load: ``rate`` requests a second whatever the service answers, each on a thread of its own.
+
+    Closed-loop clients (``Traffic``) wait for their answer, so a service that stops answering holds at
+    most one request per client: the queue behind a hung worker never grows.  Users keep arriving, so
+    behind a real one it does.  A request that waits ties up only its own thread (at most ``cap`` at once;
+    past that an arrival is dropped and counted as status -1).
+    """
+
+    def __init__(self, service_url: str, body: dict[str, Any], rate: float, cap: int = 256) -> None:
+        super().__init__(service_url, [body], concurrency=0)
+        self.rate, self.cap = rate, cap
+        self._live = threading.BoundedSemaphore(cap)
+
+    def start(self) -> Arrivals:
+        t = threading.Thread(target=self._tick, daemon=True, name="stepwatch-arrivals")
+        t.start()
+        self._threads.append(t)
+        return self
+
+    def _tick(self) -> None:
+        k, next_at = 0, time.monotonic()
+        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+            next_at += 1.0 / self.rate
+            k += 1
+            if not self._live.acquire(blocking=False):
+                with self._lock:
+                    self.codes[-1] = self.codes.get(-1, 0) + 1
+                continue
+            threading.Thread(target=self._one, args=({**self.bodies[0], "seed": k},), daemon=True,
+                             name="stepwatch-arrival").start()
+
+    def _one(self, body: dict[str, Any]) -> None:
+        try:
+            with httpclient.client(timeout=300) as via:
+                self._send(body, via)
+        finally:
+            self._live.release()
+
+    def stop(self) -> None:
+        """No more arrivals; the ones waiting keep their threads until the service answers them."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=10)
+
+
 @contextmanager
 def running_traffic(holder: Any, url: str, bodies: list[dict[str, Any]], concurrency: int,
                     pause: float) -> Iterator[Traffic]:
@@ -363,6 +409,11 @@ def running_traffic(holder: Any, url: str, bodies: list[dict[str, Any]], concurr
     finally:
         t.stop()
         holder.active_traffic = None
+
+
+# The practice stack's steady clients: one prompt per size (both hit 3 of 8 steps with the default cache).
+DEFAULT_MIX: tuple[dict[str, Any], ...] = ({"prompt": "a lighthouse at dusk", "size": "512x512"},
+                                           {"prompt": "a red bicycle", "size": "256x256"})
 
 
 class LocalStack:
@@ -620,9 +671,7 @@ class LocalStack:
     @contextmanager
     def traffic(self, bodies: list[dict[str, Any]] | None = None, concurrency: int = 2,
                 pause: float = 0.0) -> Iterator[Traffic]:
-        with running_traffic(self, self.service_url, bodies or [{"prompt": "a lighthouse at dusk", "size": "512x512"},
-                                                                {"prompt": "a red bicycle", "size": "256x256"}],
-                             concurrency, pause) as t:
+        with running_traffic(self, self.service_url, bodies or list(DEFAULT_MIX), concurrency, pause) as t:
             yield t
 
     def logs(self) -> dict[str, str]:

@@ -146,6 +146,7 @@ def test_explained_by_names_another_alert(th: Any, runbooks: dict[str, parse.Run
     joins = {(rb.alert, c.id): c.explained_by for rb in runbooks.values() for c in rb.checks if c.explained_by}
     assert joins == {("StepwatchQualityProbeFailing", "stalled"): "StepwatchWorkerStalled",
                      ("StepwatchQueueWaitHigh", "stalled"): "StepwatchWorkerStalled",
+                     ("StepwatchQueueWaitHigh", "stall_compiled"): "StepwatchServingRecompile",
                      ("StepwatchQualityProbeFailing", "serving_compiles"): "StepwatchServingRecompile",
                      ("StepwatchQualityProbeFailing", "pipeline_errors"): "StepwatchRequestErrorRatio",
                      ("StepwatchQualityProbeFailing", "slower"): "StepwatchStepTimeRegression",
@@ -176,35 +177,34 @@ def test_probe_stall_check_restates_the_stall_alerts_limit(th: Any, runbooks: di
                     "end").render({}, th)
 
 
-STALL_CHECKS = ("stalled", "stall_answers", "stall_ranks", "stall_cpu")
+STALL_CHECKS = ("stall_answers", "stall_ranks", "stall_cpu")
 
 
 def test_queue_stall_checks_are_the_probes(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
-    """queue-wait-high.md #1-#4 are a copy of quality-probe-failing.md #3-#6 (the runbook format has no
-    includes): the same conditions, branches, causes and join, and the same queries but for two words: this
+    """queue-wait-high.md #3-#5 (which stall) are a copy of quality-probe-failing.md's (the runbook format has
+    no includes): the same conditions, branches, causes and join, and the same queries but for two words: this
     instance instead of the probe's host (the queue and the worker's gauges are one target), and the restart
-    check's lookback instead of the probe alert's window (a backlog outlives the stall that built it, and the
-    restart check must never see a restart whose stall this check has forgotten). The stall limit is the
-    rule's, in both profiles."""
-    from stepwatch.alerts.defs.service import stall_floor
-
+    check's lookback instead of the probe alert's window (a stall several ranks deep stays countable while the
+    backlog drains). #1 is the queue's own question: whether one generation held the queue."""
     queue, probe = runbooks["StepwatchQueueWaitHigh"], runbooks["StepwatchQualityProbeFailing"]
-    assert [c.id for c in queue.checks[:4]] == list(STALL_CHECKS) and queue.checks[4].id == "pool_short"
+    assert [c.id for c in queue.checks[:5]] == ["stalled", "stall_compiled", *STALL_CHECKS]
+    assert queue.checks[5].id == "pool_short"
     lookback = "${diagnosis.change_lookback}"
     assert lookback in queue.check("restarts").query
     for cid in STALL_CHECKS:
         q, pr = queue.check(cid), probe.check(cid)
-        assert (q.healthy, q.if_unhealthy, q.empty, q.explained_by) == (pr.healthy, pr.if_unhealthy, pr.empty,
-                                                                         pr.explained_by), cid
-        assert q.if_healthy == ("pool_short" if cid == "stalled" else pr.if_healthy), cid
+        assert (q.healthy, q.if_unhealthy, q.if_healthy, q.empty, q.explained_by) == (
+            pr.healthy, pr.if_unhealthy, pr.if_healthy, pr.empty, pr.explained_by), cid
         copied = pr.query.replace('instance=~"{{ $labels.instance_host }}:.*"', 'instance="{{ $labels.instance }}"')
         assert q.query == copied.replace("${window}", lookback), cid
-    spec = th.alert("worker_stalled")
+    stalled = queue.check("stalled")
+    assert (stalled.if_unhealthy, stalled.if_healthy, stalled.explained_by) == (
+        "next", "pool_short", "StepwatchWorkerStalled")
     for p in PROFILES:
-        rendered = queue.check("stalled").render({"instance": "10.0.0.1:8000", "pool": "large"}, th, p)
-        expected = promql.sel("stepwatch_worker_expected_seconds", 'instance="10.0.0.1:8000"')
-        assert promql.floored_multiple(expected, spec.threshold, stall_floor(spec, p)) in rendered, (p, rendered)
-        assert f"[{th.diagnosis['change_lookback']}:{th.profiles[p].scrape_interval}]" in rendered
+        rendered = stalled.render({"instance": "10.0.0.1:8000", "pool": "large"}, th, p)
+        assert f"* {th.alert('worker_stalled').threshold:g})" in rendered, rendered  # the stall alert's factor
+        assert f"* {th.alert('queue_wait').threshold:g})" in rendered  # this alert's line, not the stall floor
+        assert f"[{th.profiles[p].rate_window}:{th.profiles[p].scrape_interval}]" in rendered
         assert 'pool="' not in rendered  # a stall on any pool holds the one worker, so every pool's queue
 
 
@@ -249,9 +249,11 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
     assert [d.id for d in drills] == ["cache_past_gate", "off_menu_resolutions", "vae_tiling_off", "straggler_rank",
                                       "straggler_neighbour", "worker_stall", "queue_overload",
                                       # rival causes behind the same alerts
-                                      "cache_off", "straggler_step_time", "fingerprint_change", "cache_threshold_raise",
-                                      "cache_kind", "compile_cache_dropped", "worker_killed", "pipeline_errors",
-                                      "worker_freeze", "cpu_contention", "sidecar_killed", "host_down", "gpu_throttle",
+                                      "cache_off", "straggler_step_time", "compile_off", "fingerprint_change",
+                                      "cache_threshold_raise", "cache_kind", "prompt_mix_shift",
+                                      "compile_cache_dropped", "worker_killed", "pipeline_errors", "worker_freeze",
+                                      "worker_freeze_backlog",
+                                      "cpu_contention", "sidecar_killed", "host_down", "gpu_throttle",
                                       "shape_too_large",
                                       # video jobs and few-step serving
                                       "video_vae_untiled", "cache_on_distilled", "video_worker_killed",
@@ -267,7 +269,7 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
         for alert, cause in d.also.items():  # an alert in hand: its runbook (or its join) can reach the cause
             assert alert != d.alerts[0] and th.by_name(alert) is not None, (d.id, alert)
             assert cause in CAUSES, (d.id, alert, cause)
-    assert sum(len(d.also) for d in drills) == 32
+    assert sum(len(d.also) for d in drills) == 36
 
 
 @pytest.mark.parametrize("also, message", [
@@ -488,6 +490,37 @@ def test_pool_short_at_median_speed_counts_only_instances_past_the_line(
                        "promql_expr_test": [{"expr": f"round({q}, 0.001)", "eval_time": "1m",
                                              "exp_samples": [{"labels": '{job="svc"}',
                                                               "value": round(expected, 3)}]}]}]}
+    f = tmp_path / "t.yml"
+    f.write_text(yaml.safe_dump(test))
+    r = subprocess.run([need_tool("promtool"), "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.needs_tool("promtool")
+@pytest.mark.parametrize("busy, expected_s, slo, value", [
+    # A 512^2 generation predicted 0.19 s, frozen for 12 s: past the queue's line (half of 10 s) long before the
+    # stall alert's floor (20 s in drills): the generation holds the queue (before: 0.6, "not stalled").
+    (12.0, 0.19, 10.0, 2.4),
+    # A 2048^2 generation predicted 9 s, 40 s in: its own limit (10x its prediction) is the longer line.
+    (40.0, 9.0, 60.0, 40 / 90),
+    # Healthy traffic: a generation inside both lines.
+    (0.3, 0.19, 10.0, 0.06),
+])
+def test_queue_stall_line_is_the_longer_of_the_stall_limit_and_the_queue_line(
+        th: Any, runbooks: dict[str, parse.Runbook], tmp_path: Path,
+        busy: float, expected_s: float, slo: float, value: float) -> None:
+    """The queue runbook's first check, evaluated by promtool on one instance's gauges."""
+    q = runbooks["StepwatchQueueWaitHigh"].check("stalled").render({"instance": "i0", "pool": "small"}, th, "drill")
+    labels = 'job="svc", instance="i0", pool="small"'
+    series = [{"series": f"stepwatch_worker_busy_seconds{{{labels}}}", "values": f"{busy}x12"},
+              {"series": f"stepwatch_worker_expected_seconds{{{labels}}}", "values": f"{expected_s}x12"},
+              {"series": f"stepwatch_queue_slo_seconds{{{labels}}}", "values": f"{slo}x12"}]
+    (tmp_path / "empty.yml").write_text("groups: []\n")
+    test = {"rule_files": ["empty.yml"], "evaluation_interval": "5s",
+            "tests": [{"interval": "5s", "input_series": series,
+                       "promql_expr_test": [{"expr": f"round({q}, 0.001)", "eval_time": "55s",
+                                             "exp_samples": [{"labels": '{instance="i0", pool="small"}',
+                                                              "value": round(value, 3)}]}]}]}
     f = tmp_path / "t.yml"
     f.write_text(yaml.safe_dump(test))
     r = subprocess.run([need_tool("promtool"), "test", "rules", str(f)], capture_output=True, text=True, timeout=60)

@@ -444,7 +444,7 @@ def test_queue_behind_a_stalled_worker_follows_the_stall() -> None:
     assert inc.primary.alert.name == "StepwatchWorkerStalled" and inc.primary.path == ["alive", "answers"]
     assert [(d.alert.name, d.cause) for d in inc.followers] == [("StepwatchQueueWaitHigh", "worker_hung")]
     queue = inc.followers[0]
-    assert queue.path == ["stalled", "stall_answers"] and queue.confidence == "high"
+    assert queue.path == ["stalled", "stall_compiled", "stall_answers"] and queue.confidence == "high"
     assert next(c for c in queue.checks if c.id == "pool_wide").outcome == "unhealthy"  # off the path now
     join = queue.explained_by
     assert join is not None and join.alert == "StepwatchWorkerStalled" and join.firing == stall.short()
@@ -466,7 +466,7 @@ def test_queue_after_a_stall_names_it_when_its_alert_has_resolved() -> None:
     report = triage([_queue()], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
     inc = report.incidents[0]
     assert report.causes == ["collective_hang"]
-    assert inc.primary.path == ["stalled", "stall_answers", "stall_ranks"]
+    assert inc.primary.path == ["stalled", "stall_compiled", "stall_answers", "stall_ranks"]
     assert next(c for c in inc.primary.checks if c.id == "restarts").outcome == "unhealthy"  # off the path now
     join = inc.primary.explained_by
     assert join is not None and join.firing == ""
@@ -476,6 +476,19 @@ def test_queue_after_a_stall_names_it_when_its_alert_has_resolved() -> None:
             "StepwatchWorkerStalled{instance=127.0.0.1:8000, pool=small} (not firing at the evaluation time; "
             "queue-wait-high.md #1 stalled = 2)") in lines
     assert "Worker stalled" in inc.primary.next_step()
+
+
+def test_queue_behind_a_long_compile_is_the_recompiles_not_a_hang() -> None:
+    """A generation past the queue's line that compiled while serving: the recompile explains the wait (its
+    own incident), not a hung worker."""
+    recompile = _alert("recompile", instance=SVC, shape="512x512_8s", phase="serving")
+    rules = [*_queue_world(1.5), (r"stepwatch_compile_total", 2.0)]
+    report = Engine(StubProm(rules), TH).run([_queue(), recompile])  # type: ignore[arg-type]
+    assert len(report.incidents) == 1 and report.causes == ["recompile_unwarmed_shape"]
+    assert ("also firing (no cause of their own): StepwatchQueueWaitHigh{instance=127.0.0.1:8000, pool=small}"
+            in render.terminal(report))
+    alone = triage([_queue()], StubProm(rules), thresholds=TH).incidents[0].primary  # type: ignore[arg-type]
+    assert alone.path == ["stalled", "stall_compiled"] and alone.cause is None and alone.flow_end == "end"
 
 
 def test_queue_restart_without_a_stall_is_still_the_crash() -> None:
