@@ -12,8 +12,9 @@ Drills: cache-threshold, off-menu-resolution, vae-tiling-oom (the seeds'
 three: ``seeds``), queue-overload, straggler, straggler-neighbour and worker-stall
 (two ranks), the rival faults (``rivals``: another true cause behind an alert the
 others fire: cache-off, straggler-step-time, compile-off, fingerprint-change, cache-threshold-raise,
-cache-kind, compile-cache-dropped, shape-too-large, worker-killed, pipeline-errors, worker-freeze,
-cpu-contention, sidecar-killed, host-down, gpu-throttle),
+cache-kind, prompt-mix-shift, compile-cache-dropped, shape-too-large, worker-killed, pipeline-errors,
+worker-freeze, worker-freeze-backlog, cpu-contention, sidecar-killed, host-down, gpu-throttle; by name
+only, slow on 2 CPU cores: shape-too-large, compile-off),
 video-vae-untiled, cache-on-distilled and video-worker-killed (video jobs and the few-step video
 model), stream-stall, stream-cpu-contention, kv-window-too-long and drift (streaming sessions),
 replica-lost, node-lost, agent-lost, alertmanager-peer-lost, central-store-outage, bad-instance and

@@ -459,11 +459,22 @@ class WorkerFreezeBacklog(WorkerFreeze):
         r.checks["queue_grew"] = max(r.details["queue_depth"].values(), default=0) > 0
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
-        arrivals = r.details.pop("_arrivals", None)
+        arrivals = r.details.get("_arrivals")
         if arrivals is not None:
             arrivals.stop()
-            r.details["arrival_codes"] = {str(k): v for k, v in sorted(arrivals.codes.items())}
         super().restore(stack, r)
+
+    def after(self, stack: LocalStack, r: DrillResult) -> None:
+        """The frozen worker's checks, then the arrivals' answers: each one 200, or what a hung worker makes of
+        it (429 past the queue's limit, 503/504 around its restart); none lost."""
+        super().after(stack, r)
+        arrivals = r.details.pop("_arrivals", None)
+        if arrivals is None:
+            return
+        r.checks["arrivals_all_answered"] = arrivals.wait_answered(RECOVER_DEADLINE_S)
+        r.details["arrival_codes"] = {str(k): v for k, v in sorted(arrivals.codes.items())}
+        answered = set(arrivals.codes)
+        r.checks["arrivals_answered_as_expected"] = bool(answered) and answered <= self.baseline_accepts
 
 
 # GpuThrottle last: its throttle stays in the runbooks' lookback (diagnosis.throttle_lookback) for the

@@ -364,6 +364,7 @@ class Arrivals(Traffic):
         super().__init__(service_url, [body], concurrency=0)
         self.rate, self.cap = rate, cap
         self._live = threading.BoundedSemaphore(cap)
+        self.waiting = 0  # arrivals not answered yet
 
     def start(self) -> Arrivals:
         t = threading.Thread(target=self._tick, daemon=True, name="stepwatch-arrivals")
@@ -380,6 +381,8 @@ class Arrivals(Traffic):
                 with self._lock:
                     self.codes[-1] = self.codes.get(-1, 0) + 1
                 continue
+            with self._lock:
+                self.waiting += 1
             threading.Thread(target=self._one, args=({**self.bodies[0], "seed": k},), daemon=True,
                              name="stepwatch-arrival").start()
 
@@ -388,7 +391,16 @@ class Arrivals(Traffic):
             with httpclient.client(timeout=300) as via:
                 self._send(body, via)
         finally:
+            with self._lock:
+                self.waiting -= 1
             self._live.release()
+
+    def wait_answered(self, timeout: float) -> bool:
+        """True once every arrival has its answer (within ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        while self.waiting and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return not self.waiting
 
     def stop(self) -> None:
         """No more arrivals; the ones waiting keep their threads until the service answers them."""

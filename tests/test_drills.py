@@ -279,11 +279,13 @@ def test_cpu_neighbour_dies_with_a_killed_drill_runner() -> None:
 
 
 # Rival faults run live in CI where they exercise machinery of their own (a knob that re-warms, the
-# compiled graphs dropped, a frozen one-rank worker); the rest are scored from their recordings (triage eval).
+# compiled graphs dropped, a frozen one-rank worker with users arriving open loop: the freeze itself and the
+# arrivals, and the queue runbook's hung-generation line); the rest are scored from their recordings (triage
+# eval). The plain worker-freeze is the same freeze with the stall alert in hand: recordings score it.
 # The re-warming knob is another cache kind, not the cache turned off: on the practice model (one double and
 # two single blocks, 3 of 8 steps hit) the first-block cache saves at most ~1/4 of a step, and turning it off
 # measured 1.0-1.45x of the steps just before, against the 1.2x alert: detected in 7 s, in 100 s or never.
-LIVE_RIVALS = ("cache-kind", "compile-cache-dropped", "worker-freeze")
+LIVE_RIVALS = ("cache-kind", "compile-cache-dropped", "worker-freeze-backlog")
 
 
 @pytest.mark.heavy
@@ -353,3 +355,46 @@ def test_off_menu_p50_is_each_sizes_own_median_from_the_clients() -> None:
     assert r.details["baseline_p50_by_size"]["512x512"] == {"before": 1.0, "during": 1.1, "requests": [10, 10]}
     t.latencies += [(210.0 + i / 10, 1.7, 200, "512x512") for i in range(30)]
     assert drill._p50_flat(stack, r, 110.5, now=215.0) is False
+
+
+def test_arrivals_keep_coming_while_the_service_holds_them() -> None:
+    """Open-loop load (worker-freeze-backlog): requests arrive at their rate while none is answered (closed-loop
+    clients would hold one each), past ``cap`` an arrival is dropped and counted (-1), and once the service
+    answers again every waiting one gets its answer."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from stepwatch.fault_injection.stack import Arrivals
+
+    release, seen = threading.Event(), []
+
+    class Held(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["seed"])
+            release.wait(30)
+            body = b"{}"
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Held)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        arrivals = Arrivals(f"http://127.0.0.1:{server.server_port}", {"size": "256x256"}, rate=40, cap=12).start()
+        deadline = time.time() + 10
+        while (len(seen) < 12 or not arrivals.codes.get(-1)) and time.time() < deadline:
+            time.sleep(0.05)
+        assert arrivals.waiting == 12 and len(seen) == 12 and arrivals.codes.get(-1, 0) >= 1  # none answered
+        assert sorted(seen) == list(range(1, 13))  # each arrival its own seed
+        assert not arrivals.wait_answered(0.2)
+        arrivals.stop()
+        release.set()
+        assert arrivals.wait_answered(10) and arrivals.codes[200] == 12
+    finally:
+        release.set()
+        server.shutdown()
