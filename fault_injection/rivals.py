@@ -455,7 +455,7 @@ class WorkerFreezeBacklog(WorkerFreeze):
         r.notes.append(f"{arrivals['per_second']} requests/s of {arrivals['size']} arriving (open loop)")
 
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
-        r.details["queue_depth"] = {s.label("pool"): s.value for s in stack.prom.query("stepwatch_queue_depth")}
+        r.details["queue_depth"] = {s.label("pool"): s.value for s in stack.prom.query(queries.queue_depth_by_pool())}
         r.checks["queue_grew"] = max(r.details["queue_depth"].values(), default=0) > 0
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
