@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -51,25 +52,33 @@ class ThreadTotals:
     made the scraped counter fall (2026-12-05), Prometheus read the fall as a reset, and the CPU check of a
     stall triage looked at nonsense.  What an ended thread did after the last reading is lost (an
     undercount of at most one scrape interval of one thread); a thread id reused with smaller counters is a
-    new thread."""
+    new thread.  Safe to call from several threads (the rank reporter reads it from the pipeline's and
+    from its shipping thread): two readings at once would count an ended thread twice."""
 
     def __init__(self, read: Callable[[], dict[str, tuple[int, int]] | None] = schedstat_threads) -> None:
         self._read = read
         self._last: dict[str, tuple[int, int]] = {}
         self._ended = (0, 0)
+        self._lock = threading.Lock()
 
     def __call__(self) -> tuple[float, float] | None:
-        now = self._read()
-        if now is None:
-            return None
-        ran_ended, waited_ended = self._ended
-        for tid, (ran, waited) in self._last.items():
-            seen = now.get(tid)
-            if seen is None or seen[0] < ran or seen[1] < waited:
-                ran_ended, waited_ended = ran_ended + ran, waited_ended + waited
-        self._ended, self._last = (ran_ended, waited_ended), now
+        with self._lock:
+            now = self._read()
+            if now is None:
+                return None
+            ran_ended, waited_ended = self._ended
+            for tid, (ran, waited) in self._last.items():
+                seen = now.get(tid)
+                if seen is None or seen[0] < ran or seen[1] < waited:
+                    ran_ended, waited_ended = ran_ended + ran, waited_ended + waited
+            self._ended, self._last = (ran_ended, waited_ended), now
         return ((ran_ended + sum(r for r, _ in now.values())) / 1e9,
                 (waited_ended + sum(w for _, w in now.values())) / 1e9)
+
+    def waited(self) -> float | None:
+        """The waited seconds alone (the rank reporter's per-request reading)."""
+        both = self()
+        return None if both is None else both[1]
 
 
 def runqueue_wait_seconds() -> float | None:

@@ -59,7 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from stepwatch.exporter.cpu import runqueue_wait_seconds
+from stepwatch.exporter.cpu import ThreadTotals
 
 log = logging.getLogger("stepwatch.exporter.ranks")
 
@@ -429,9 +429,11 @@ class RankReporter:
 
     def __init__(self, group: Any = None, channel: Channel | None = None, interval: float | None = INTERVAL_S,
                  clock: Callable[[], float] = time.time, rank: int | None = None, world: int | None = None,
-                 hook: bool = True, cpu_wait: Callable[[], float | None] = runqueue_wait_seconds) -> None:
+                 hook: bool = True, cpu_wait: Callable[[], float | None] | None = None) -> None:
         self.rank, self.world = _rank_and_world(group, rank, world)
-        self.timeline = Timeline(clock, cpu_wait)
+        # The waits as a counter that never falls (a thread that ends keeps its seconds): a plain sum over
+        # the live threads fell when one ended, and a rank's waits over a request read 0 (clamped).
+        self.timeline = Timeline(clock, cpu_wait or ThreadTotals().waited)
         self._claimed: str | None = None
         if channel is None and self.world > 1:
             channel = _store_channel(group, self.world)

@@ -301,7 +301,8 @@ class Traffic:
         k = i
         with httpclient.client(timeout=300) as via:
             while not self._stop.is_set():
-                status, headers = self._send({**self.bodies[k % len(self.bodies)], "seed": k}, via)
+                bodies = self.bodies  # once: a drill may swap the list meanwhile (prompt-mix-shift)
+                status, headers = self._send({**bodies[k % len(bodies)], "seed": k}, via)
                 if status == 429:
                     self._stop.wait(min(float(headers.get("Retry-After", "1")), 2.0))
                 elif self.pause:

@@ -388,6 +388,39 @@ def test_cpu_counters_keep_the_seconds_of_threads_that_ended() -> None:
     assert [totals() for _ in range(4)] == [(16e-9, 6e-9), (18e-9, 7e-9), (20e-9, 8e-9), None]
 
 
+def test_rank_waits_are_the_totals_that_keep_ended_threads() -> None:
+    """The rank reporter reads its per-request CPU waits from ThreadTotals (a plain sum over the live threads
+    fell when one ended, and a request's waits were clamped to 0), from two threads at once: one lock."""
+    import threading
+
+    from stepwatch.exporter.cpu import ThreadTotals
+    from stepwatch.exporter.ranks import RankReporter
+
+    reporter = RankReporter(channel=None, interval=None, rank=0, world=1, hook=False)
+    assert isinstance(getattr(reporter.timeline.cpu_wait, "__self__", None), ThreadTotals)
+    reporter.close()
+    gate = threading.Barrier(8)
+    calls = iter([{"1": (10, 4), "2": (6, 2)}] + [{"1": (12, 5)}] * 8)
+
+    def read() -> dict[str, tuple[int, int]]:
+        return dict(next(calls))
+
+    totals = ThreadTotals(read)
+    assert totals.waited() == 6e-9
+    seen: list[float | None] = []
+
+    def reader() -> None:
+        gate.wait()
+        seen.append(totals.waited())
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [7e-9] * 8  # thread 2's seconds counted once, whoever read first
+
+
 def test_cpu_counters_never_fall_when_real_threads_end() -> None:
     import threading
 

@@ -408,7 +408,7 @@ def test_probe_failures_with_nothing_else_wrong_end_as_before(stall: float | Non
     assert "escalate" in d.next_step() and "sidecar log" in d.next_step()
 
 
-# ----- a high queue wait joined to the worker stall that built it (queue-wait-high.md #1-#3) -----------
+# ----- a high queue wait joined to the worker stall that built it (queue-wait-high.md #1-#5) -----------
 
 def _queue(pool: str = "small") -> Alert:
     return _alert("queue_wait", instance=SVC, pool=pool)
