@@ -484,12 +484,18 @@ def test_pool_short_at_median_speed_counts_only_instances_past_the_line(
     series += [{"series": f'instance_shape:stepwatch_pipeline_step_duration_seconds:ratio_to_fleet_median_rate{w}'
                           f'{{job="svc", instance="i{i}", shape="512x512_8s"}}', "values": f"{r}x2"}
                for i, r in enumerate(ratios)]
+    _promtool_evaluates(tmp_path, series, q, "1m", "1m", '{job="svc"}', expected)
+
+
+def _promtool_evaluates(tmp_path: Path, series: list[dict[str, str]], query: str, interval: str, at: str,
+                        labels: str, value: float) -> None:
+    """``query`` over ``series`` (one sample per ``interval``) reads ``value`` (to 0.001) at ``at``, as
+    ``promtool test rules`` evaluates it: the real engine, no Prometheus to start."""
     (tmp_path / "empty.yml").write_text("groups: []\n")
-    test = {"rule_files": ["empty.yml"], "evaluation_interval": "1m",
-            "tests": [{"interval": "1m", "input_series": series,
-                       "promql_expr_test": [{"expr": f"round({q}, 0.001)", "eval_time": "1m",
-                                             "exp_samples": [{"labels": '{job="svc"}',
-                                                              "value": round(expected, 3)}]}]}]}
+    test = {"rule_files": ["empty.yml"], "evaluation_interval": interval,
+            "tests": [{"interval": interval, "input_series": series,
+                       "promql_expr_test": [{"expr": f"round({query}, 0.001)", "eval_time": at,
+                                             "exp_samples": [{"labels": labels, "value": round(value, 3)}]}]}]}
     f = tmp_path / "t.yml"
     f.write_text(yaml.safe_dump(test))
     r = subprocess.run([need_tool("promtool"), "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
@@ -515,13 +521,4 @@ def test_queue_stall_line_is_the_longer_of_the_stall_limit_and_the_queue_line(
     series = [{"series": f"stepwatch_worker_busy_seconds{{{labels}}}", "values": f"{busy}x12"},
               {"series": f"stepwatch_worker_expected_seconds{{{labels}}}", "values": f"{expected_s}x12"},
               {"series": f"stepwatch_queue_slo_seconds{{{labels}}}", "values": f"{slo}x12"}]
-    (tmp_path / "empty.yml").write_text("groups: []\n")
-    test = {"rule_files": ["empty.yml"], "evaluation_interval": "5s",
-            "tests": [{"interval": "5s", "input_series": series,
-                       "promql_expr_test": [{"expr": f"round({q}, 0.001)", "eval_time": "55s",
-                                             "exp_samples": [{"labels": '{instance="i0", pool="small"}',
-                                                              "value": round(value, 3)}]}]}]}
-    f = tmp_path / "t.yml"
-    f.write_text(yaml.safe_dump(test))
-    r = subprocess.run([need_tool("promtool"), "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+    _promtool_evaluates(tmp_path, series, q, "5s", "55s", '{instance="i0", pool="small"}', value)
