@@ -440,7 +440,6 @@ def start_neighbours(cpus: list[int], per_cpu: int) -> list[subprocess.Popen[byt
             for cpu in cpus for _ in range(per_cpu)]
 
 
-
 def crowd_worker(stack: LocalStack, r: DrillResult, per_cpu: int) -> list[int]:
     """``per_cpu`` busy loops on each CPU of the one-rank worker (its affinity), kept in ``r`` for
     ``stop_neighbours``; returns the CPUs."""
@@ -454,6 +453,7 @@ def stop_neighbours(r: DrillResult) -> None:
     for p in r.details.pop("_neighbours", []):
         p.kill()
         p.wait()
+
 
 class StragglerNeighbour(Drill):
     name = "straggler-neighbour"

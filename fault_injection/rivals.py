@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
 
 from stepwatch import httpclient
 from stepwatch.exporter.sidecar.practice_gpus import write_state
@@ -50,13 +49,14 @@ from stepwatch.fault_injection.drills import (
     crowd_worker,
     stop_neighbours,
 )
-from stepwatch.fault_injection.stack import DEFAULT_MIX, Arrivals, LocalStack
+from stepwatch.fault_injection.stack import Arrivals, LocalStack
 
 
 class KnobFault(Drill):
     """A fault that is one knob change (the drill block's ``inject.knobs``), restored to the previous value."""
 
     in_place_when_injected = True  # the knob call answers once the service serves with it (after a re-warm)
+    slows_steps = False  # True: while firing, the drill checks that the mean step got slower than before
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         r.details["serving_knobs"] = stack.info()["knobs"]
@@ -75,6 +75,12 @@ class KnobFault(Drill):
         r.details["step_seconds_during"] = now
         return now / before if before and now else None
 
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        if self.slows_steps:
+            ratio = self.step_ratio(stack, r)
+            r.details["step_time_ratio"] = ratio
+            r.checks["steps_slower"] = ratio is not None and ratio > 1.0
+
 
 class CacheOff(KnobFault):
     name = "cache-off"
@@ -83,11 +89,7 @@ class CacheOff(KnobFault):
     silent = ("quality_drop",)  # no cache, no reuse: images only get closer to the baseline
     description = ("The cross-step cache turned off on an instance whose baselines were measured with it: "
                    "every step computes in full, so per-step time rises; quality does not suffer.")
-
-    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
-        ratio = self.step_ratio(stack, r)
-        r.details["step_time_ratio"] = ratio
-        r.checks["steps_slower"] = ratio is not None and ratio > 1.0
+    slows_steps = True
 
 
 class StragglerStepTime(Straggler):
@@ -115,11 +117,7 @@ class CompileOff(KnobFault):
                    "step runs eager, about 1.3-1.6x slower per step on the practice model, while whole requests "
                    "hardly change (the VAE decode dominates them). The deployment fingerprint changes too, and "
                    "rebuilding the baseline would hide the slowdown: triage must name compile first.")
-
-    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
-        ratio = self.step_ratio(stack, r)
-        r.details["step_time_ratio"] = ratio
-        r.checks["steps_slower"] = ratio is not None and ratio > 1.0
+    slows_steps = True
 
 
 class FingerprintChange(KnobFault):
@@ -171,9 +169,6 @@ class PromptMixShift(Drill):
     description = ("The clients' prompts change (another product, another campaign) with the cache, its threshold "
                    "and the model as they were: the cache's hit rate follows the prompts off its baseline band. "
                    "Nothing is broken; a threshold change would be the wrong fix.")
-
-    def baseline_traffic(self) -> list[dict[str, Any]] | None:
-        return list(DEFAULT_MIX)
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         traffic = stack.active_traffic
@@ -455,6 +450,7 @@ class WorkerFreezeBacklog(WorkerFreeze):
         r.notes.append(f"{arrivals['per_second']} requests/s of {arrivals['size']} arriving (open loop)")
 
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        """The queue grew (not WorkerFreeze's /readyz check: the queue alert may fire before the stall limit)."""
         r.details["queue_depth"] = {s.label("pool"): s.value for s in stack.prom.query(queries.queue_depth_by_pool())}
         r.checks["queue_grew"] = max(r.details["queue_depth"].values(), default=0) > 0
 

@@ -358,13 +358,13 @@ class Arrivals(Traffic):
     Closed-loop clients (``Traffic``) wait for their answer, so a service that stops answering holds at
     most one request per client: the queue behind a hung worker never grows.  Users keep arriving, so
     behind a real one it does.  A request that waits ties up only its own thread (at most ``cap`` at once;
-    past that an arrival is dropped and counted as status -1).
+    past that an arrival is dropped and counted as status -1).  ``stop()`` ends the arrivals; the ones
+    waiting keep their threads until the service answers them (``wait_answered``).
     """
 
     def __init__(self, service_url: str, body: dict[str, Any], rate: float, cap: int = 256) -> None:
         super().__init__(service_url, [body], concurrency=0)
         self.rate, self.cap = rate, cap
-        self._live = threading.BoundedSemaphore(cap)
         self.waiting = 0  # arrivals not answered yet
 
     def start(self) -> Arrivals:
@@ -378,14 +378,15 @@ class Arrivals(Traffic):
         while not self._stop.wait(max(0.0, next_at - time.monotonic())):
             next_at += 1.0 / self.rate
             k += 1
-            if not self._live.acquire(blocking=False):
-                with self._lock:
-                    self.codes[-1] = self.codes.get(-1, 0) + 1
-                continue
             with self._lock:
-                self.waiting += 1
-            threading.Thread(target=self._one, args=({**self.bodies[0], "seed": k},), daemon=True,
-                             name="stepwatch-arrival").start()
+                full = self.waiting >= self.cap
+                if full:
+                    self.codes[-1] = self.codes.get(-1, 0) + 1
+                else:
+                    self.waiting += 1
+            if not full:
+                threading.Thread(target=self._one, args=({**self.bodies[0], "seed": k},), daemon=True,
+                                 name="stepwatch-arrival").start()
 
     def _one(self, body: dict[str, Any]) -> None:
         try:
@@ -394,7 +395,6 @@ class Arrivals(Traffic):
         finally:
             with self._lock:
                 self.waiting -= 1
-            self._live.release()
 
     def wait_answered(self, timeout: float) -> bool:
         """True once every arrival has its answer (within ``timeout`` seconds)."""
@@ -402,12 +402,6 @@ class Arrivals(Traffic):
         while self.waiting and time.monotonic() < deadline:
             time.sleep(0.5)
         return not self.waiting
-
-    def stop(self) -> None:
-        """No more arrivals; the ones waiting keep their threads until the service answers them."""
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=10)
 
 
 @contextmanager

@@ -399,26 +399,31 @@ def test_rank_waits_are_the_totals_that_keep_ended_threads() -> None:
     reporter = RankReporter(channel=None, interval=None, rank=0, world=1, hook=False)
     assert isinstance(getattr(reporter.timeline.cpu_wait, "__self__", None), ThreadTotals)
     reporter.close()
-    gate = threading.Barrier(8)
-    calls = iter([{"1": (10, 4), "2": (6, 2)}] + [{"1": (12, 5)}] * 8)
+    # A reading is one walk of /proc: a second reader must wait for the first to finish (else both could add
+    # an ended thread's seconds). The first reader is held inside its walk; the second must not start one.
+    inside, release, walks = threading.Event(), threading.Event(), []
 
     def read() -> dict[str, tuple[int, int]]:
-        return dict(next(calls))
+        walks.append(1)
+        if len(walks) == 2:  # the first reader's second walk: hold it there
+            inside.set()
+            release.wait(10)
+        return {"1": (10, 4), "2": (6, 2)} if len(walks) == 1 else {"1": (12, 5)}
 
     totals = ThreadTotals(read)
     assert totals.waited() == 6e-9
     seen: list[float | None] = []
-
-    def reader() -> None:
-        gate.wait()
-        seen.append(totals.waited())
-
-    threads = [threading.Thread(target=reader) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert seen == [7e-9] * 8  # thread 2's seconds counted once, whoever read first
+    first = threading.Thread(target=lambda: seen.append(totals.waited()))
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=lambda: seen.append(totals.waited()))
+    second.start()
+    time.sleep(0.2)
+    assert len(walks) == 2  # the second reader waits for the lock, not inside a walk of its own
+    release.set()
+    first.join()
+    second.join()
+    assert seen == [7e-9, 7e-9]  # thread 2's seconds counted once
 
 
 def test_cpu_counters_never_fall_when_real_threads_end() -> None:
