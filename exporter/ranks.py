@@ -450,8 +450,11 @@ class RankReporter:
         self._silent: set[int] = set()  # ranks rank 0 has logged as silent
         if hook:
             self.install()
+        self._thread: threading.Thread | None = None
         if interval is not None:
-            threading.Thread(target=self._loop, args=(interval,), name="stepwatch-ranks", daemon=True).start()
+            self._thread = threading.Thread(target=self._loop, args=(interval,), name="stepwatch-ranks",
+                                            daemon=True)
+            self._thread.start()
 
     @property
     def last(self) -> list[float]:
@@ -496,8 +499,16 @@ class RankReporter:
             setattr(sharder, _GATHER[2], orig)
             self._orig_gather = None
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the shipping thread and wait for it: a tick still inside the store when the host then
+        destroys its process group (or exits) aborts the process ("terminate called without an active
+        exception", seen once in CI on a follower rank)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("rank %d: the shipping thread did not stop within %.0f s", self.rank, timeout)
+            self._thread = None
         self.uninstall()
         if self._claimed is not None:
             _CLAIMED.discard(self._claimed)

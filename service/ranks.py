@@ -76,6 +76,7 @@ def _rank_entry(cfg: dict[str, Any], conn: Connection | None, rank: int, world: 
         w.serve()
     else:
         w.serve_follower()
+    w.close_ranks()
     dist.destroy_process_group()
 
 

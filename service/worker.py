@@ -358,6 +358,12 @@ class Worker:
         reporter = self.inst.options.rank_reporter if self.inst is not None else None
         return reporter.stamp if reporter is not None else None
 
+    def close_ranks(self) -> None:
+        """Stop the rank reporter's shipping thread before the process group goes (see RankReporter.close)."""
+        reporter = self.inst.options.rank_reporter if self.inst is not None else None
+        if reporter is not None:
+            reporter.close()
+
     def _apply_cache(self, knobs: dict[str, Any]) -> bool:
         """The cache knobs; True when the cache kind changed on a compiled service (it must re-warm)."""
         if "cache" not in knobs and "cache_threshold" not in knobs:
