@@ -7,6 +7,7 @@ pipeline bare and instrumented, interleaved and paired so drift cancels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import random
 import statistics
@@ -238,12 +239,36 @@ def _instrument_fresh(pipe: Any) -> Any:
     return instrument(pipe, registry=CollectorRegistry())
 
 
+# How deep below the bench's own frames each round calls the pipelines, drawn per round (both sides alike).
+# CPython 3.11 keeps frames in 16 KB data-stack chunks and frees a chunk as soon as the stack leaves it; a call
+# tree that loops across a chunk boundary pays an mmap, a page fault and a munmap at every crossing
+# (python/cpython#142183, fixed from 3.13 on by keeping one spare chunk).  Measured on the FAR pipeline: 227 to
+# 4,518 page faults per call and 164-192 ms depending only on the depth it was called at, and the hooks' wrapper
+# frames move that phase: a fixed depth made each launcher a "mode" (bench stream read 1.04 from `-m
+# stepwatch.cli`, 1.01 from `-c`).  Spread evenly over about two chunks' worth of frames (a golden-ratio
+# sequence: any run of rounds covers the span nearly uniformly), every round samples the phase afresh and both
+# variants see the same distribution of it.
+DEPTH_SPAN = 300
+_GOLDEN = 0.6180339887498949
+
+
+def round_depth(r: int) -> int:
+    """Round ``r``'s depth: the golden-ratio sequence over ``DEPTH_SPAN`` (even coverage, no generator state)."""
+    return int((r * _GOLDEN) % 1.0 * DEPTH_SPAN)
+
+
+def at_depth(depth: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` called ``depth`` Python frames further down the stack (~110 bytes of data stack each)."""
+    return fn() if depth <= 0 else at_depth(depth - 1, fn)
+
+
 def crossover(pipes: tuple[Any, Any], call: Any, rounds: int, block: int = 8, progress: Any = None,
               stop: Callable[[dict[str, list[Any]]], bool] | None = None,
               sides: Sides | None = None) -> tuple[dict[str, list[Any]], Any]:
     """Paired bare/instrumented calls of ``call(pipe, round)`` on two pipelines built alike, the instrumented one
     swapped every ``block`` rounds; returns {"bare": [...], "inst": [...]} of call results and the last handle.
 
+    Each round calls both variants at one depth, ``round_depth(r)`` (why: above ``DEPTH_SPAN``).
     Two pipelines built alike are not equally fast on a shared VM (an A/A of two bare FAR pipelines read 0.95-0.99;
     the FLUX few-step case read 1.02 over 48 rounds with hooks costing microseconds), so each one spends half the
     rounds on each side (a crossover) and that difference cancels.  Within a round the order alternates (drift
@@ -267,8 +292,9 @@ def crossover(pipes: tuple[Any, Any], call: Any, rounds: int, block: int = 8, pr
             for p in pipes:
                 call(p, r)
         named = (("bare", pipes[1 - side]), ("inst", pipes[side]))
+        depth = round_depth(r)
         for name, pipe in named if r % 2 == 0 else named[::-1]:
-            out[name].append(call(pipe, r))
+            out[name].append(at_depth(depth, functools.partial(call, pipe, r)))
         if progress is not None:
             progress(r, out)
     return out, handle

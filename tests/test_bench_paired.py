@@ -120,3 +120,26 @@ def test_bench_stream_pools_its_processes(monkeypatch: Any, capsys: Any) -> None
     assert abs(out["ratio"] - math.sqrt(1.02)) < 1e-4 and out["ci95"][0] < 1.0 < 1.02 < out["ci95"][1]
     assert out["kv_bytes"] == out["kv_ledger_bytes"] == 43008
     assert bench_stream.run(p.parse_args(["--processes", "0"])) == 2
+
+
+def test_each_round_calls_both_variants_at_one_depth_and_the_depths_cover_the_span() -> None:
+    """CPython 3.11's data-stack chunks make a call's speed depend on the depth it starts at (bench.DEPTH_SPAN):
+    both variants of a round must start at the same depth, and the rounds must cover the span evenly."""
+    import inspect
+
+    from stepwatch.exporter.bench import DEPTH_SPAN, at_depth, round_depth
+
+    def frames() -> int:
+        return len(inspect.stack(0))
+
+    assert at_depth(37, frames) - at_depth(0, frames) == 37
+    pipes = (StubPipeline(), StubPipeline())
+    out, _ = crossover(pipes, lambda p, r: (r, len(inspect.stack(0))), rounds=24, block=4)
+    first = out["bare"][0][1] - round_depth(0)
+    for (r_bare, d_bare), (r_inst, d_inst) in zip(out["bare"], out["inst"], strict=True):
+        assert r_bare == r_inst and d_bare == d_inst == first + round_depth(r_bare)  # one depth per round, its own
+    depths = [round_depth(r) for r in range(300)]
+    assert all(0 <= d < DEPTH_SPAN for d in depths)
+    tenths = [sum(1 for d in depths if k * DEPTH_SPAN // 10 <= d < (k + 1) * DEPTH_SPAN // 10) for k in range(10)]
+    assert min(tenths) >= 27 and max(tenths) <= 33, tenths  # within 10% of even in every tenth
+    assert len({d for d, _ in zip(depths, range(24), strict=False)}) == 24  # no depth repeats early
