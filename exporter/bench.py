@@ -258,7 +258,7 @@ def round_depth(r: int) -> int:
 
 
 def at_depth(depth: int, fn: Callable[[], Any]) -> Any:
-    """``fn()`` called ``depth`` Python frames further down the stack (~110 bytes of data stack each)."""
+    """``fn()`` called ``depth`` Python frames further down the stack (each frame a few words of data stack)."""
     return fn() if depth <= 0 else at_depth(depth - 1, fn)
 
 
