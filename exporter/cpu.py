@@ -3,7 +3,9 @@
 A GPU pipeline's host thread launches kernels, runs the scheduler and Python between them; another
 process on its CPUs (a noisy neighbour, a co-located job, a data loader) makes each of those late, and
 neither GPU-Util nor the step time says why.  Linux keeps the answer per thread: schedstat's run delay,
-the time a thread was runnable but not running.
+the time a thread was runnable but not running.  Waits alone do not tell a starved process from a busy
+one (two ranks on one host, or a service compiling, wait a little on every thread they run), so the run
+time is read beside them: per second of running, a process behind a neighbour waits far longer.
 """
 
 from __future__ import annotations
@@ -81,33 +83,13 @@ class ThreadTotals:
         return None if both is None else both[1]
 
 
-def runqueue_wait_seconds() -> float | None:
-    """Seconds this process's threads have spent runnable but waiting for a CPU, or None.
-
-    A rank starved of CPU (another process on its CPUs, a throttled host) runs its side of every transfer
-    late: the ranks then arrive together and wait together, and only this shows who held them up."""
-    both = schedstat_seconds()
-    return None if both is None else both[1]
-
-
-def cpu_run_seconds() -> float | None:
-    """Seconds this process's threads have run on a CPU, or None: what the waits are read against.
-
-    Waits alone do not tell a starved process from a busy one: two ranks on one host, or a service
-    compiling, wait a little on every thread they run.  Per second of running, a process behind a
-    neighbour waits far longer than one that merely keeps several threads busy."""
-    both = schedstat_seconds()
-    return None if both is None else both[0]
-
-
 class SchedstatReader:
     """The run and wait counters of one scrape from one walk of /proc/self/task (an open and a read per
     thread; a torch process has dozens): the two counters ask within microseconds of each other, so a
     reading younger than ``fresh_s`` is reused.  Scrapes come seconds apart; a counter read twice inside
     a second gives the same value twice, which a counter may."""
 
-    def __init__(self, read: Callable[[], tuple[float, float] | None] = schedstat_seconds,
-                 fresh_s: float = 1.0) -> None:
+    def __init__(self, read: Callable[[], tuple[float, float] | None], fresh_s: float = 1.0) -> None:
         self._read = read
         self._fresh_s = fresh_s
         self._at = -math.inf

@@ -353,16 +353,20 @@ class Worker:
             self.knobs["video_decode_chunk_frames"] = int(knobs["video_decode_chunk_frames"])
 
     @property
+    def _rank_reporter(self) -> Any:
+        """The instrumentation's rank reporter (None with one rank or before set-up)."""
+        return self.inst.options.rank_reporter if self.inst is not None else None
+
+    @property
     def _stamp(self) -> Any:
         """With ranks, the rank reporter's stamp: the cache's agreement all-reduce counts as a collective."""
-        reporter = self.inst.options.rank_reporter if self.inst is not None else None
+        reporter = self._rank_reporter
         return reporter.stamp if reporter is not None else None
 
     def close_ranks(self) -> None:
         """Stop the rank reporter's shipping thread before the process group goes (see RankReporter.close)."""
-        reporter = self.inst.options.rank_reporter if self.inst is not None else None
-        if reporter is not None:
-            reporter.close()
+        if self._rank_reporter is not None:
+            self._rank_reporter.close()
 
     def _apply_cache(self, knobs: dict[str, Any]) -> bool:
         """The cache knobs; True when the cache kind changed on a compiled service (it must re-warm)."""
