@@ -141,11 +141,13 @@ class Campaign:
             stack.stop()
 
     def _run_fleet(self, group: list[str]) -> None:
-        """The fleet drills on one fleet start (not recorded as triage scenarios: the recorder reads one instance)."""
+        """The fleet drills on one fleet start, its quality probers on when a drill reads them; with ``record``,
+        a steady control of the fleet first, then each drill recorded from central evaluator a."""
         from stepwatch.fault_injection.fleet import FleetStack
         from stepwatch.fault_injection.fleet_drills import run_fleet_drills
 
-        stack = FleetStack(self.out / "fleet", progress=self.progress)
+        probes = any(getattr(DRILLS[n], "reads_quality", False) for n in group)
+        stack = FleetStack(self.out / "fleet", probes=probes, progress=self.progress)
         self.progress(f"bringing up the practice fleet for {', '.join(group)}")
         try:
             stack.start()
@@ -154,8 +156,12 @@ class Campaign:
             self.results += not_started(group, self.th, e)
             return
         try:
+            if self.record is not None:
+                with stack.traffic():
+                    self.record.control(stack, self.progress, f"control-fleet-{self.record.suffix}",
+                                        "steady traffic through the fleet's balancer")
             self.results += run_fleet_drills(stack, [DRILLS[n](self.th, variant=self.variant) for n in group],
-                                             self.progress, self.triage)
+                                             self.progress, self.triage, record=self.record)
             self.stacks.append({"fleet": True, "balancer": stack.balancer_url, "evaluators": stack.evaluators,
                                 "alertmanagers": stack.alertmanagers, "workdir": str(stack.workdir)})
             write_report(self.out, self.results, self.th, stack=None, snapshots=False, progress=self.progress,

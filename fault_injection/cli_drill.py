@@ -17,8 +17,8 @@ worker-freeze, worker-freeze-backlog, cpu-contention, sidecar-killed, host-down,
 only, slow on 2 CPU cores: shape-too-large, compile-off),
 video-vae-untiled, cache-on-distilled and video-worker-killed (video jobs and the few-step video
 model), stream-stall, stream-cpu-contention, kv-window-too-long and drift (streaming sessions),
-replica-lost, node-lost, agent-lost, alertmanager-peer-lost, central-store-outage, bad-instance and
-pool-short (``fleet``: on one start of the practice fleet, ``stepwatch fleet up``), or all.
+replica-lost, node-lost, agent-lost, alertmanager-peer-lost, central-store-outage, bad-instance,
+replica-config-drift and pool-short (``fleet``: on one start of the practice fleet, ``stepwatch fleet up``), or all.
 
 ``--record DIR`` re-records the triage evaluation set on the code as it is: run
 ``stepwatch drill all --record triage/scenarios --suffix N`` (and

@@ -12,14 +12,18 @@ Every part is a child process on a free loopback port, as in the one-instance st
                                      Alertmanager 1 ◄─ gossip ─► Alertmanager 2 ──► webhook (once)
 
 Replicas run compile off with the small pool warmed up (three workers share two cores here) and their sidecars
-read no GPU and probe nothing (a probe set per replica would triple the probe load; the fleet's quality
-comparison is a later step: README, "Fleet").
+read no GPU.  They probe nothing unless the fleet starts with ``probes`` (a drill that reads output quality:
+replica-config-drift): then every sidecar probes its own replica with a four-image set against one baseline,
+captured on replica 0 with the cache off (all replicas are one deployment: one fingerprint), so the central store
+holds one PSNR per replica and a bad instance shows as the spread between them.  Four images, not the one-instance
+stack's twenty: three probers share the two cores with three workers.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,9 +39,13 @@ from stepwatch.alerts import fleet as fcfg
 from stepwatch.alerts import stack as cfgs
 from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.alerts.thresholds import parse_duration
+from stepwatch.exporter.sidecar.capture import capture_baseline
+from stepwatch.exporter.sidecar.config import ProbeSet, default_probe_set
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.stack import (
+    ADMIN_TOKEN,
     DRILL_SERVICE,
+    PROBE_SIZE,
     Child,
     Traffic,
     WebhookReceiver,
@@ -45,7 +53,7 @@ from stepwatch.fault_injection.stack import (
     running_traffic,
 )
 from stepwatch.promapi import Alertmanager, Prometheus
-from stepwatch.service.balancer import BALANCER_JOB, haproxy_argv, haproxy_config
+from stepwatch.service.balancer import BALANCER_JOB, haproxy_argv, haproxy_config, in_flight, set_state
 
 log = logging.getLogger("stepwatch.fleet")
 
@@ -53,6 +61,13 @@ log = logging.getLogger("stepwatch.fleet")
 # warm up on two cores at once).
 REPLICA_SERVICE: dict[str, Any] = {**DRILL_SERVICE, "warmup": ["256x256"], "compile": {"enabled": False},
                                    "stream": {"enabled": False}, "video": {"enabled": False}}
+FLEET_PROBE_INTERVAL_S = 10.0
+
+
+def fleet_probe_set() -> ProbeSet:
+    """Two prompts x two seeds of the one-instance probe set: p10 of four images is their worst but one."""
+    items = default_probe_set(size=PROBE_SIZE, steps=int(REPLICA_SERVICE["default_steps"])).items
+    return ProbeSet("fleet", tuple(items[:4]))
 
 
 def _ok(url: str) -> Callable[[], bool]:
@@ -83,6 +98,7 @@ class FleetStack:
     replicas: int = 3
     nodes: int = 2
     profile: str = "drill"
+    probes: bool = False  # each sidecar probes its replica's output quality (module docstring)
     progress: Callable[[str], None] = field(default=lambda msg: log.info(msg))
     children: list[Child] = field(default_factory=list)
     members: list[Replica] = field(default_factory=list)
@@ -95,6 +111,7 @@ class FleetStack:
     _argv: dict[str, tuple[list[str], dict[str, str] | None]] = field(default_factory=dict)
     active_traffic: Traffic | None = None
     evaluator_rss_empty: float = 0.0  # evaluator a's resident bytes before any agent wrote (the scale table's zero)
+    started: float = 0.0
 
     def __post_init__(self) -> None:
         if self.replicas < 2 or self.nodes < 2 or self.nodes > self.replicas:
@@ -112,7 +129,7 @@ class FleetStack:
         self.stop()
 
     def start(self, timeout: float = 600.0) -> None:
-        t0 = time.time()
+        t0 = self.started = time.time()
         deadline = t0 + timeout
         try:
             self.webhook = WebhookReceiver()
@@ -140,6 +157,8 @@ class FleetStack:
         with ThreadPoolExecutor(max_workers=max(1, len(self.children))) as pool:
             list(pool.map(stop_one, reversed(self.children)))
         self.children.clear()
+        if self.balancer_url:
+            Path(self.admin_socket).unlink(missing_ok=True)
         if self.webhook is not None:
             self.webhook.stop()
             self.webhook = None
@@ -166,6 +185,31 @@ class FleetStack:
         c = Child(name, argv, self.workdir / f"{name}.restarted-{time.time():.0f}.log", env=env)
         self.children.append(c)
         self._wait(ready, f"{name} (restarted)", time.time() + timeout)
+
+    @property
+    def admin_socket(self) -> str:
+        """haproxy's runtime API: a short path of its own (a unix socket's path is at most 107 bytes; a test's
+        workdir can be longer)."""
+        return f"{tempfile.gettempdir()}/stepwatch-haproxy-{self.balancer_url.rsplit(':', 1)[-1]}.sock"
+
+    def rollout(self, name: str, ready: Callable[[], bool], cache_threshold: float | None = None,
+                timeout: float = 300.0) -> None:
+        """A replica restarted on a new config file, as a rolling update does with its ConfigMap: out of the
+        balancer (drained: its requests in flight finish, no new one comes), SIGTERM, the same argv, port and
+        instance id on the new file, back in once ready.  ``cache_threshold`` None: the fleet's own."""
+        cache = dict(REPLICA_SERVICE["cache"])
+        if cache_threshold is not None:
+            cache["threshold"] = cache_threshold
+        (self.workdir / f"{name}.yaml").write_text(yaml.safe_dump({**REPLICA_SERVICE, "cache": cache}))
+        set_state(self.admin_socket, name, "drain")
+        self._wait(lambda: in_flight(self.admin_socket, name) == 0, f"{name} drained", time.time() + timeout)
+        child = self._find(name)
+        child.stop()
+        self.children.remove(child)
+        argv, env = self._argv[name]
+        self.children.append(Child(name, argv, self.workdir / f"{name}.rollout-{time.time():.0f}.log", env=env))
+        self._wait(ready, f"{name} (rolled out)", time.time() + timeout)
+        set_state(self.admin_socket, name, "ready")
 
     def _find(self, name: str) -> Child:
         for c in self.children:
@@ -195,8 +239,18 @@ class FleetStack:
         return Prometheus(self.evaluators[0])
 
     @property
+    def prometheus_url(self) -> str:
+        """What a recording reads (fault_injection/recording.py): the central store, as triage does."""
+        return self.evaluators[0]
+
+    @property
     def service_url(self) -> str:
         return self.balancer_url
+
+    def describe(self) -> str:
+        """The fleet in a recorded scenario's words."""
+        return (f"the practice fleet ({self.replicas} replicas over {self.nodes} nodes, compile off, "
+                f"{self.profile} profile, central evaluator a)")
 
     def healthy(self) -> bool:
         """The fleet serves: the balancer has a ready replica behind it."""
@@ -267,18 +321,46 @@ class FleetStack:
         self.progress(f"starting {self.replicas} replicas (service + sidecar each)")
         for r in self.members:
             self._wait(_ok(r.service_url + "/readyz"), r.name, deadline)
+        probe_args = self._probe_args() if self.probes else ["--no-prober"]
+        for r in self.members:
             self._child(f"{r.name}-sidecar", [sys.executable, "-m", "stepwatch.cli", "sidecar", "--target",
                                               r.service_url, "--port", r.sidecar_url.rsplit(":", 1)[1],
-                                              "--no-prober", "--no-nvml"])
+                                              "--no-nvml", *probe_args])
         for r in self.members:
             self._wait(_ok(r.sidecar_url + "/metrics"), f"{r.name} sidecar", deadline)
+
+    def _probe_args(self) -> list[str]:
+        """The fleet's probe set and its baseline, captured on replica 0 with the cache off (the lossless
+        reference, as on the one-instance stack), then the cache put back as the replicas start."""
+        probes = fleet_probe_set()
+        (self.workdir / "probe-set.yaml").write_text(yaml.safe_dump(probes.to_dict()))
+        first = self.members[0].service_url
+        self.progress(f"capturing the fleet's quality baseline ({len(probes.items)} probes on {self.members[0].name}, "
+                      "cache off)")
+        cache = REPLICA_SERVICE["cache"]
+        self.replica_knobs(self.members[0].name, cache="none")
+        try:
+            capture_baseline(first, probes, self.workdir / "baselines")
+        finally:
+            self.replica_knobs(self.members[0].name, cache=cache["kind"], cache_threshold=cache["threshold"])
+        return ["--baseline-dir", str(self.workdir / "baselines"), "--probe-set", str(self.workdir / "probe-set.yaml"),
+                "--interval", f"{FLEET_PROBE_INTERVAL_S:g}"]
+
+    def replica_knobs(self, name: str, **knobs: Any) -> dict[str, Any]:
+        """One replica's admin knobs (the fleet as a whole has none: its drills change replicas, not knobs)."""
+        r = httpclient.request("POST", self.replica(name).service_url + "/admin/knobs", json=knobs,
+                               headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60)
+        if r.status_code != 200:
+            raise RuntimeError(f"{name} admin knobs {knobs}: HTTP {r.status_code}: {r.text[:300]}")
+        return dict(r.json())
 
     def _start_balancer(self, deadline: float) -> None:
         port, mport = free_port(), free_port()
         self.balancer_url, self.balancer_metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}"
         cfg = self.workdir / "haproxy.cfg"
         cfg.write_text(haproxy_config(f"127.0.0.1:{port}", f"127.0.0.1:{mport}",
-                                      [(r.name, r.service_url.removeprefix("http://")) for r in self.members]))
+                                      [(r.name, r.service_url.removeprefix("http://")) for r in self.members],
+                                      admin_socket=self.admin_socket))
         self._child("haproxy", haproxy_argv(cfg))
         self._wait(lambda: httpclient.ok(self.balancer_url + "/readyz"), "haproxy", deadline)
 

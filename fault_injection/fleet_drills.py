@@ -14,6 +14,8 @@ alerts, cause and limits come from its block in runbooks/drills.md.
 - ``alertmanager-peer-lost``: one Alertmanager of the gossip pair killed, then a replica's sidecar: the
   notification still arrives, exactly once;
 - ``bad-instance``: CPU-bound processes beside one replica's worker: StepwatchInstanceSlow names it alone;
+- ``replica-config-drift``: one replica rolled out on a config with a higher cache threshold: StepwatchQualityDrop
+  names it alone (the fleet's probers on), triage says ``bad_instance`` from the PSNR spread;
 - ``pool-short``: clients added past the pool's capacity: the capacity alert before the queue-wait alert;
 - ``central-store-outage``: both central evaluators down for 60 s while a sidecar dies: the agents replay their
   WAL, no scrape sample of the window is missing on either evaluator, and TargetDown fires afterwards.
@@ -48,6 +50,7 @@ class FleetDrill(Drill):
 
     fleet = True
     reads_baselines = False
+    reads_quality = False  # True: the fleet starts with its quality probers (FleetStack.probes)
     target_label = "pod"  # the alert label that names the drill's target (a node drill's: node)
 
     @property
@@ -83,11 +86,16 @@ class ReplicaLost(FleetDrill):
         stack.restart(f"{self.target}-sidecar", _sidecar_ready(stack, self.target))
 
     def after(self, stack: Any, r: DrillResult) -> None:
-        """Only requests in flight on the lost replica failed: at most one per client, every other one answered."""
-        t = stack.active_traffic
-        failed = sum(n for c, n in t.codes.items() if c != 200) if t is not None else 0
-        r.details["failed_in_flight"] = failed
-        r.checks["only_in_flight_failed"] = t is not None and failed <= t.concurrency and t.codes.get(200, 0) > 0
+        _only_in_flight_failed(stack, r)
+
+
+def _only_in_flight_failed(stack: Any, r: DrillResult) -> None:
+    """Only requests in flight on the replica that went away failed: at most one per client, every other one
+    answered."""
+    t = stack.active_traffic
+    failed = sum(n for c, n in t.codes.items() if c != 200) if t is not None else 0
+    r.details["failed_in_flight"] = failed
+    r.checks["only_in_flight_failed"] = t is not None and failed <= t.concurrency and t.codes.get(200, 0) > 0
 
 
 class AlertmanagerPeerLost(FleetDrill):
@@ -311,6 +319,37 @@ class BadInstance(FleetDrill):
         _pin(r.details.get("crowded_pids", []), sorted(os.sched_getaffinity(0)))
 
 
+class ReplicaConfigDrift(FleetDrill):
+    name = "replica-config-drift"
+    doc_id = "replica_config_drift"
+    reads_quality = True  # the fleet starts with its quality probers (FleetStack.probes)
+    # A request in flight when the replica gets its SIGTERM may be cut, as in replica-lost: after() bounds them.
+    baseline_accepts = frozenset({200, 502, 0})
+    description = ("One replica rolled out on a config file of its own with a higher cache threshold (no knob, "
+                   "fingerprint unchanged): its probe PSNR falls below the gate, the others' do not; "
+                   "StepwatchQualityDrop names it alone, triage says bad_instance.")
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        threshold = float(self.spec.inject["cache_threshold"])
+        stack.rollout(self.target, _service_ready(stack, self.target), cache_threshold=threshold)
+        r.notes.append(f"{self.target} rolled out on a config with cache threshold {threshold:g}")
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """Only the drifted replica's quality dropped: each replica's p10 PSNR, and who the alert names."""
+        r.details["psnr_p10_by_pod"] = {s.labels.get("pod", ""): round(s.value, 2)
+                                        for s in stack.prom.query(queries.psnr_p10_by_pod())}
+        named = sorted({a["labels"].get("pod", "") for a in stack.prom.firing()
+                        if a["labels"].get("alertname") == self.expected})
+        r.details["quality_drop_pods"] = named
+        r.checks["only_the_drifted_replica"] = named == [self.target]
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        stack.rollout(self.target, _service_ready(stack, self.target))
+
+    def after(self, stack: Any, r: DrillResult) -> None:
+        _only_in_flight_failed(stack, r)
+
+
 class PoolShort(FleetDrill):
     name = "pool-short"
     doc_id = "pool_short"
@@ -381,15 +420,18 @@ class PoolShort(FleetDrill):
 
 
 FLEET_DRILLS: tuple[type[Drill], ...] = (ReplicaLost, NodeLost, AgentLost, AlertmanagerPeerLost,
-                                         CentralStoreOutage, BadInstance, PoolShort)
+                                         CentralStoreOutage, BadInstance, ReplicaConfigDrift, PoolShort)
 # Steady traffic before each fleet drill: two scrapes.  The one-instance drills' 25 s re-measure per-shape step
 # baselines on it; no fleet drill reads them, and "quiet before" is the runner's own wait.
 FLEET_STEADY_S = 10.0
 
 
-def run_fleet_drills(stack: Any, drills: list[Drill], progress: Any = None, triage: Any = None) -> list[DrillResult]:
-    """The drills one after another on a running FleetStack, with the one-instance drills' runner and rules."""
+def run_fleet_drills(stack: Any, drills: list[Drill], progress: Any = None, triage: Any = None,
+                     record: Any = None) -> list[DrillResult]:
+    """The drills one after another on a running FleetStack, with the one-instance drills' runner and rules;
+    ``record`` (a fault_injection.recording.Recording) records each as a triage scenario."""
     from stepwatch.fault_injection.drills import Runner
 
     runner = Runner(stack, progress=progress, triage=triage)
+    runner.record = record
     return [runner.run(d, steady_s=FLEET_STEADY_S) for d in drills]

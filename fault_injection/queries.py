@@ -40,6 +40,11 @@ def psnr_p10() -> str:
     return agg("min", sel("stepwatch_quality_psnr_decibels", 'stat="p10"'))
 
 
+def psnr_p10_by_pod() -> str:
+    """Each replica's p10 PSNR (dB) on the practice fleet (its sidecar's series carry the replica's ``pod``)."""
+    return agg("min", sel("stepwatch_quality_psnr_decibels", 'stat="p10"'), "pod")
+
+
 def quality_gate() -> str:
     """The strictest PSNR gate (dB) the probe sets are held to."""
     return agg("min", "stepwatch_quality_gate_decibels")

@@ -60,20 +60,19 @@ class Recording:
     control_s: float = CONTROL_S
     recorded: list[Path] = field(default_factory=list)
 
-    def _meta(self, stack: LocalStack, how: str) -> dict[str, Any]:
+    def _meta(self, stack: Any, how: str) -> dict[str, Any]:
+        """``stack``: a LocalStack, or a FleetStack (its drills and control are read from central evaluator a)."""
         th = load_thresholds()
-        compile_label = "off" if stack.ranks > 1 else (stack.compile_backend or "the service config's")
-        return {"recorded": f"stepwatch drill --record (suffix {self.suffix}) on a LocalStack ({stack.ranks} "
-                            f"rank(s), compile {compile_label}, {stack.profile} profile); {how}",
+        return {"recorded": f"stepwatch drill --record (suffix {self.suffix}) on {stack.describe()}; {how}",
                 "runbooks_revision": revision(), "profile": stack.profile,
                 "scrape_interval_s": parse_duration(th.profiles[stack.profile].scrape_interval)}
 
-    def save(self, stack: LocalStack, name: str, start: float, end: float, meta: dict[str, Any]) -> Path:
+    def save(self, stack: Any, name: str, start: float, end: float, meta: dict[str, Any]) -> Path:
         path = record_scenario(stack.prometheus_url, max(stack.started, start), end, self.out / name, meta)
         self.recorded.append(path)
         return path
 
-    def control(self, stack: LocalStack, progress: Callable[[str], None], name: str, description: str) -> Path:
+    def control(self, stack: Any, progress: Callable[[str], None], name: str, description: str) -> Path:
         """``control_s`` more of steady traffic, then the last window of the stack as a control (no cause)."""
         time.sleep(self.control_s)
         end = time.time()
@@ -103,7 +102,7 @@ class Recording:
         self.control(stack, progress, f"control-restart-{where}-{self.suffix}",
                      "the service restarted under traffic (a rollout), warmed up, its baselines published again")
 
-    def drill(self, stack: LocalStack, name: str, cause: str, alert: str, injected_at: float,
+    def drill(self, stack: Any, name: str, cause: str, alert: str, injected_at: float,
               detected_at: float, end: float, live: dict[str, Any], description: str,
               fault: dict[str, Any], firing: list[dict[str, Any]]) -> Path:
         """One drill's window, evaluated when its alert fired, with triage's live verdict and the fault's values.

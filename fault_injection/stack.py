@@ -662,6 +662,11 @@ class LocalStack:
         body.setdefault("prompt", "a lighthouse at dusk")
         return _http("POST", self.service_url + "/v1/images/generations", body)
 
+    def describe(self) -> str:
+        """The stack in a recorded scenario's words."""
+        compile_label = "off" if self.ranks > 1 else (self.compile_backend or "the service config's")
+        return f"a LocalStack ({self.ranks} rank(s), compile {compile_label}, {self.profile} profile)"
+
     def knobs(self, **knobs: Any) -> dict[str, Any]:
         status, body, _ = _http("POST", self.service_url + "/admin/knobs", knobs,
                                 {"Authorization": f"Bearer {self.admin_token}"})

@@ -4,6 +4,7 @@ answered, spread evenly, and counted on both central evaluators as the clients s
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ import yaml
 from stepwatch.alerts import fleet as fcfg
 from stepwatch.alerts.stack import SERVICE_JOB
 from stepwatch.fault_injection import queries
-from stepwatch.service.balancer import haproxy_binary, haproxy_config
+from stepwatch.fault_injection.stack import free_port
+from stepwatch.service.balancer import haproxy_binary, haproxy_config, in_flight, runtime_command, set_state
 
 
 def test_agent_and_central_configs_pass_promtool(tmp_path: Path) -> None:
@@ -59,6 +61,40 @@ def test_haproxy_config_passes_haproxy_check(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_a_replica_drains_through_haproxys_runtime_api(tmp_path: Path) -> None:
+    """The rollout's drain on a real haproxy: the server's state moves to drain and back, its open requests are
+    read from ``show stat``, and a command haproxy refuses is an error, not an empty answer."""
+    sock = tmp_path / "admin.sock"
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(haproxy_config(f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}",
+                                  [("replica-0", f"127.0.0.1:{free_port()}")], admin_socket=sock))
+    proc = subprocess.Popen([haproxy_binary(), "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 10
+        while not sock.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert in_flight(sock, "replica-0") == 0
+        set_state(sock, "replica-0", "drain")
+        assert "replica-0" in runtime_command(sock, "show servers state")
+        assert _admin_state(sock) & 0x08  # SRV_ADMF_DRAIN
+        set_state(sock, "replica-0", "ready")
+        assert not _admin_state(sock) & 0x08
+        with pytest.raises(RuntimeError, match="haproxy"):
+            set_state(sock, "no-such-replica", "drain")
+        with pytest.raises(KeyError):
+            in_flight(sock, "no-such-replica")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _admin_state(sock: Path) -> int:
+    """``srv_admin_state`` of the one server (``show servers state``: field 7)."""
+    rows = [line.split() for line in runtime_command(sock, "show servers state").splitlines()[2:] if line.strip()]
+    return int(rows[0][6])
+
+
 def test_scale_rows_grow_linearly_and_shard_past_the_budget() -> None:
     from stepwatch.fault_injection.fleet_scale import EVALUATOR_BUDGET_BYTES, scale_rows
 
@@ -76,7 +112,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One fleet start for the load test and the fleet drills (a start costs ~35 s on 2 cores)."""
     from stepwatch.fault_injection.fleet import FleetStack
 
-    with FleetStack(tmp_path_factory.mktemp("fleet"), replicas=3) as f:
+    with FleetStack(tmp_path_factory.mktemp("fleet"), replicas=3, probes=True) as f:
         yield f
 
 
@@ -130,9 +166,10 @@ def _node_agents_panel_has_data(fleet: Any) -> None:
 
 @pytest.mark.heavy
 def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
-    """The seven fleet drills on the running fleet: each detected within the goal, delivered, triaged right, nothing
+    """The eight fleet drills on the running fleet: each detected within the goal, delivered, triaged right, nothing
     else critical, resolved; their own checks hold (routed around, exactly one notification, no sample of the
-    outage lost, only the crowded instance named, the capacity alert before the queue-wait alert)."""
+    outage lost, only the crowded instance named, only the drifted replica's quality dropped and the rollout's
+    drain cost no request, the capacity alert before the queue-wait alert)."""
     from stepwatch.alerts.thresholds import load
     from stepwatch.fault_injection.fleet_drills import FLEET_DRILLS, run_fleet_drills
     from stepwatch.triage.drill_hook import triage_for_drill
@@ -150,6 +187,13 @@ def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
         "outage_samples_expected"] - 1
     bad = by["bad-instance"]
     assert bad.triage_cause == "bad_instance" and bad.details["slow_instances"] == [bad.details["crowded_instance"]]
+    drift = by["replica-config-drift"]  # the quality probers' spread names the replica rolled out on its own config
+    psnr = drift.details["psnr_p10_by_pod"]
+    gate = th.quality.gates_db[th.quality.default_gate]
+    assert drift.triage_cause == "bad_instance" and drift.details["quality_drop_pods"] == ["replica-1"]
+    assert psnr["replica-1"] < gate - th.quality.alert_margin_db < gate <= psnr["replica-0"] and \
+        psnr["replica-2"] >= gate, psnr
+    assert drift.details["baseline_traffic_codes"] == {"200": drift.details["baseline_traffic_codes"]["200"]}
     short = by["pool-short"]
     assert short.triage_cause == "under_provisioned" and short.checks["capacity_before_queue_wait"]
     assert short.details["queue_wait_after_s"] > short.time_to_detect_s

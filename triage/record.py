@@ -20,6 +20,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import re
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -37,8 +38,10 @@ from stepwatch.triage.engine import _selector, firing_at  # _selector: the label
 SAMPLES_FILE = "samples.om.gz"
 SCENARIO_FILE = "scenario.yaml"
 # What a triage replay needs: the exporter's, service's and sidecar's series, the recording
-# rules (level:metric:operations), the alert state series and target health.
-NAME_MATCH = '{__name__=~"stepwatch_.+|[a-z_]+:.+|ALERTS|ALERTS_FOR_STATE|up"}'
+# rules (level:metric:operations), the alert state series and target health; and any other
+# name a runbook check or a rule reads (names_to_export).
+NAME_RE = re.compile(r"stepwatch_.+|[a-z_]+:.+|ALERTS|ALERTS_FOR_STATE|up")
+NAME_MATCH = '{__name__=~"' + NAME_RE.pattern + '"}'
 
 
 def _api(url: str, path: str, params: Mapping[str, Any], timeout: float = 60.0) -> Any:
@@ -81,11 +84,16 @@ def names_to_export(prometheus_url: str, start: float, end: float, all_buckets: 
     that a runbook check or a rule reads are kept unless ``all_buckets``; every
     ``_sum`` and ``_count`` is kept.
     """
-    names = _api(prometheus_url, "label/__name__/values",
-                 {"match[]": NAME_MATCH, "start": f"{start:.3f}", "end": f"{end:.3f}"})
+    used = read_by_triage()
+    window = {"start": f"{start:.3f}", "end": f"{end:.3f}"}
+    names = set(_api(prometheus_url, "label/__name__/values", {"match[]": NAME_MATCH, **window}))
+    # What the checks read from other exporters (the fleet's haproxy_server_status: node-silent.md), where present.
+    others = sorted(n for n in used if not NAME_RE.fullmatch(n))
+    if others:
+        match = '{__name__=~"' + "|".join(re.escape(n) for n in others) + '"}'
+        names |= set(_api(prometheus_url, "label/__name__/values", {"match[]": match, **window}))
     if all_buckets:
         return sorted(names)
-    used = read_by_triage()
     return sorted(n for n in names if not n.endswith("_bucket") or n in used)
 
 
