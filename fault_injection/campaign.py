@@ -141,13 +141,12 @@ class Campaign:
             stack.stop()
 
     def _run_fleet(self, group: list[str]) -> None:
-        """The fleet drills on one fleet start, its quality probers on when a drill reads them; with ``record``,
-        a steady control of the fleet first, then each drill recorded from central evaluator a."""
+        """The fleet drills on one fleet start (its quality probers on from the first drill that reads them); with
+        ``record``, a steady control of the fleet first, then each drill recorded from central evaluator a."""
         from stepwatch.fault_injection.fleet import FleetStack
         from stepwatch.fault_injection.fleet_drills import run_fleet_drills
 
-        probes = any(getattr(DRILLS[n], "reads_quality", False) for n in group)
-        stack = FleetStack(self.out / "fleet", probes=probes, progress=self.progress)
+        stack = FleetStack(self.out / "fleet", progress=self.progress)
         self.progress(f"bringing up the practice fleet for {', '.join(group)}")
         try:
             stack.start()

@@ -12,11 +12,12 @@ Every part is a child process on a free loopback port, as in the one-instance st
                                      Alertmanager 1 ◄─ gossip ─► Alertmanager 2 ──► webhook (once)
 
 Replicas run compile off with the small pool warmed up (three workers share two cores here) and their sidecars
-read no GPU.  They probe nothing unless the fleet starts with ``probes`` (a drill that reads output quality:
-replica-config-drift): then every sidecar probes its own replica with a four-image set against one baseline,
-captured on replica 0 with the cache off (all replicas are one deployment: one fingerprint), so the central store
-holds one PSNR per replica and a bad instance shows as the spread between them.  Four images, not the one-instance
-stack's twenty: three probers share the two cores with three workers.
+read no GPU.  They probe nothing until a drill that reads output quality (replica-config-drift) turns the probers
+on (``enable_probes``: every sidecar restarted with them): then each sidecar probes its own replica with a
+four-image set against one baseline, captured on replica 0 with the cache off (all replicas are one deployment:
+one fingerprint), so the central store holds one PSNR per replica and a bad instance shows as the spread between
+them.  Four images, not the one-instance stack's twenty: three probers share the two cores with three workers.
+Off until then because a probe is a request like any other: the load test counts every request per replica.
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ class Replica:
     node: str
 
 
+def _sidecar_argv(r: Replica, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "stepwatch.cli", "sidecar", "--target", r.service_url, "--port",
+            r.sidecar_url.rsplit(":", 1)[1], "--no-nvml", *extra]
+
+
 @dataclass
 class FleetStack:
     """``start()`` brings the fleet up (or raises, with every child stopped); ``stop()`` ends it."""
@@ -98,7 +104,7 @@ class FleetStack:
     replicas: int = 3
     nodes: int = 2
     profile: str = "drill"
-    probes: bool = False  # each sidecar probes its replica's output quality (module docstring)
+    probing: bool = False  # the sidecars probe their replicas' output quality (enable_probes)
     progress: Callable[[str], None] = field(default=lambda msg: log.info(msg))
     children: list[Child] = field(default_factory=list)
     members: list[Replica] = field(default_factory=list)
@@ -192,15 +198,13 @@ class FleetStack:
         workdir can be longer)."""
         return f"{tempfile.gettempdir()}/stepwatch-haproxy-{self.balancer_url.rsplit(':', 1)[-1]}.sock"
 
-    def rollout(self, name: str, ready: Callable[[], bool], cache_threshold: float | None = None,
+    def rollout(self, name: str, ready: Callable[[], bool], changes: dict[str, Any] | None = None,
                 timeout: float = 300.0) -> None:
         """A replica restarted on a new config file, as a rolling update does with its ConfigMap: out of the
         balancer (drained: its requests in flight finish, no new one comes), SIGTERM, the same argv, port and
-        instance id on the new file, back in once ready.  ``cache_threshold`` None: the fleet's own."""
-        cache = dict(REPLICA_SERVICE["cache"])
-        if cache_threshold is not None:
-            cache["threshold"] = cache_threshold
-        (self.workdir / f"{name}.yaml").write_text(yaml.safe_dump({**REPLICA_SERVICE, "cache": cache}))
+        instance id on the new file, back in once ready.  ``changes``: top-level service config keys that differ
+        from the fleet's (None: the fleet's own config)."""
+        (self.workdir / f"{name}.yaml").write_text(yaml.safe_dump({**REPLICA_SERVICE, **(changes or {})}))
         set_state(self.admin_socket, name, "drain")
         self._wait(lambda: in_flight(self.admin_socket, name) == 0, f"{name} drained", time.time() + timeout)
         child = self._find(name)
@@ -321,17 +325,26 @@ class FleetStack:
         self.progress(f"starting {self.replicas} replicas (service + sidecar each)")
         for r in self.members:
             self._wait(_ok(r.service_url + "/readyz"), r.name, deadline)
-        probe_args = self._probe_args() if self.probes else ["--no-prober"]
         for r in self.members:
-            self._child(f"{r.name}-sidecar", [sys.executable, "-m", "stepwatch.cli", "sidecar", "--target",
-                                              r.service_url, "--port", r.sidecar_url.rsplit(":", 1)[1],
-                                              "--no-nvml", *probe_args])
+            self._child(f"{r.name}-sidecar", _sidecar_argv(r, ["--no-prober"]))
         for r in self.members:
             self._wait(_ok(r.sidecar_url + "/metrics"), f"{r.name} sidecar", deadline)
 
+    def enable_probes(self) -> None:
+        """Quality probers on every sidecar, from now on (once): the fleet's baseline captured, then each sidecar
+        restarted with its probe set (a sidecar restarts in about a second: no target stays down)."""
+        if self.probing:
+            return
+        args = self._probe_args()
+        for r in self.members:
+            name = f"{r.name}-sidecar"
+            self._argv[name] = (_sidecar_argv(r, args), None)
+            self.restart(name, _ok(r.sidecar_url + "/metrics"))
+        self.probing = True
+
     def _probe_args(self) -> list[str]:
         """The fleet's probe set and its baseline, captured on replica 0 with the cache off (the lossless
-        reference, as on the one-instance stack), then the cache put back as the replicas start."""
+        reference, as on the one-instance stack), then the cache put back."""
         probes = fleet_probe_set()
         (self.workdir / "probe-set.yaml").write_text(yaml.safe_dump(probes.to_dict()))
         first = self.members[0].service_url

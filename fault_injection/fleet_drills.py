@@ -16,6 +16,8 @@ alerts, cause and limits come from its block in runbooks/drills.md.
 - ``bad-instance``: CPU-bound processes beside one replica's worker: StepwatchInstanceSlow names it alone;
 - ``replica-config-drift``: one replica rolled out on a config with a higher cache threshold: StepwatchQualityDrop
   names it alone (the fleet's probers on), triage says ``bad_instance`` from the PSNR spread;
+- ``rolling-update``: one replica rolled out under the steady load: while it warms, StepwatchPoolCapacityShort
+  fires for the pool and triage says ``cold_start``;
 - ``pool-short``: clients added past the pool's capacity: the capacity alert before the queue-wait alert;
 - ``central-store-outage``: both central evaluators down for 60 s while a sidecar dies: the agents replay their
   WAL, no scrape sample of the window is missing on either evaluator, and TargetDown fires afterwards.
@@ -33,6 +35,7 @@ from typing import Any
 from stepwatch import httpclient
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.drills import Drill, DrillResult, start_neighbours, stop_neighbours
+from stepwatch.fault_injection.fleet import REPLICA_SERVICE
 from stepwatch.fault_injection.stack import Traffic, starts_at
 from stepwatch.promapi import Alertmanager, Prometheus
 
@@ -50,7 +53,7 @@ class FleetDrill(Drill):
 
     fleet = True
     reads_baselines = False
-    reads_quality = False  # True: the fleet starts with its quality probers (FleetStack.probes)
+    reads_quality = False  # True: the fleet's quality probers go on before it runs (FleetStack.enable_probes)
     target_label = "pod"  # the alert label that names the drill's target (a node drill's: node)
 
     @property
@@ -322,16 +325,15 @@ class BadInstance(FleetDrill):
 class ReplicaConfigDrift(FleetDrill):
     name = "replica-config-drift"
     doc_id = "replica_config_drift"
-    reads_quality = True  # the fleet starts with its quality probers (FleetStack.probes)
-    # A request in flight when the replica gets its SIGTERM may be cut, as in replica-lost: after() bounds them.
-    baseline_accepts = frozenset({200, 502, 0})
+    reads_quality = True
     description = ("One replica rolled out on a config file of its own with a higher cache threshold (no knob, "
                    "fingerprint unchanged): its probe PSNR falls below the gate, the others' do not; "
                    "StepwatchQualityDrop names it alone, triage says bad_instance.")
 
     def inject(self, stack: Any, r: DrillResult) -> None:
         threshold = float(self.spec.inject["cache_threshold"])
-        stack.rollout(self.target, _service_ready(stack, self.target), cache_threshold=threshold)
+        cache = {**REPLICA_SERVICE["cache"], "threshold": threshold}
+        stack.rollout(self.target, _service_ready(stack, self.target), {"cache": cache})
         r.notes.append(f"{self.target} rolled out on a config with cache threshold {threshold:g}")
 
     def while_firing(self, stack: Any, r: DrillResult) -> None:
@@ -346,8 +348,43 @@ class ReplicaConfigDrift(FleetDrill):
     def restore(self, stack: Any, r: DrillResult) -> None:
         stack.rollout(self.target, _service_ready(stack, self.target))
 
-    def after(self, stack: Any, r: DrillResult) -> None:
-        _only_in_flight_failed(stack, r)
+
+class RollingUpdate(FleetDrill):
+    name = "rolling-update"
+    doc_id = "rolling_update"
+    description = ("One replica rolled out under the steady load on a release that warms more shapes: drained, "
+                   "restarted, warming; the other two carry its share meanwhile. StepwatchPoolCapacityShort "
+                   "fires for the pool, triage says cold_start.")
+
+    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
+        return bool(alert.get("labels", {}).get("alertname") == self.expected)
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        """The rollout runs beside the watch (the alert fires while the replica warms); its error, if any, is kept
+        for while_firing."""
+        warmup = [str(s) for s in self.spec.inject["warmup"]]
+
+        def roll() -> None:
+            try:
+                stack.rollout(self.target, _service_ready(stack, self.target), {"warmup": warmup})
+            except Exception as e:
+                r.details["rollout_error"] = f"{type(e).__name__}: {e}"
+
+        r.details["_rollout_started"] = time.time()
+        threading.Thread(target=roll, daemon=True, name="rolling-update").start()
+        r.notes.append(f"{self.target} rolling out on a release that warms {', '.join(warmup)}")
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """The alert fired while the replica was not ready; how long its rollout took in all."""
+        deadline = time.time() + 300
+        while time.time() < deadline and "rollout_error" not in r.details \
+                and not _service_ready(stack, self.target)():
+            time.sleep(0.5)
+        r.details["rollout_seconds"] = round(time.time() - r.details.pop("_rollout_started"), 1)
+        r.checks["rolled_out"] = "rollout_error" not in r.details and _service_ready(stack, self.target)()
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        """Nothing to undo: the rollout finished and the new release serves."""
 
 
 class PoolShort(FleetDrill):
@@ -420,7 +457,8 @@ class PoolShort(FleetDrill):
 
 
 FLEET_DRILLS: tuple[type[Drill], ...] = (ReplicaLost, NodeLost, AgentLost, AlertmanagerPeerLost,
-                                         CentralStoreOutage, BadInstance, ReplicaConfigDrift, PoolShort)
+                                         CentralStoreOutage, BadInstance, ReplicaConfigDrift, RollingUpdate,
+                                         PoolShort)
 # Steady traffic before each fleet drill: two scrapes.  The one-instance drills' 25 s re-measure per-shape step
 # baselines on it; no fleet drill reads them, and "quiet before" is the runner's own wait.
 FLEET_STEADY_S = 10.0
@@ -434,4 +472,9 @@ def run_fleet_drills(stack: Any, drills: list[Drill], progress: Any = None, tria
 
     runner = Runner(stack, progress=progress, triage=triage)
     runner.record = record
-    return [runner.run(d, steady_s=FLEET_STEADY_S) for d in drills]
+    results = []
+    for d in drills:
+        if getattr(d, "reads_quality", False):
+            stack.enable_probes()
+        results.append(runner.run(d, steady_s=FLEET_STEADY_S))
+    return results

@@ -200,4 +200,14 @@ class Drift(Drill):
         r.checks["sessions_stream_after_restore"] = seen.get("outcome") == "done"
 
 
-STREAM_DRILLS: tuple[type[Drill], ...] = (StreamStall, KvWindowTooLong, Drift, StreamCpuContention)
+class WindowDrift(Drift):
+    """The drift drill's probe and checks, another cause: the KV window raised past the one the model learned."""
+
+    name = "window-drift"
+    doc_id = "window_drift"
+    description = ("The KV window raised from 3 chunks to 6: chunks 0-2 stay exact, the later ones read "
+                   "full-resolution context where the model learned compressed and drift below the video gate. "
+                   "The drift alert fires, triage names the window; sessions and images are served throughout.")
+
+
+STREAM_DRILLS: tuple[type[Drill], ...] = (StreamStall, KvWindowTooLong, Drift, WindowDrift, StreamCpuContention)

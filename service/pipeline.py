@@ -179,18 +179,30 @@ def _tiny_far(seed: int) -> Any:
 
 
 def _sharpen_far(transformer: Any, vae: Any) -> None:
-    """Make the tiny FAR's frames depend on its latents, as a trained model's do (its own VAE instance only).
+    """Make the tiny FAR's frames depend on its latents, and its later chunks on their context, as a trained
+    model's do (its own VAE instance only).
 
     At default init the random Wan VAE's decoder dominates: two seeds' sessions differed by only 41-53 dB
     PSNR per chunk, so no sampling fault could be seen in the frames and a drift probe could not fail.
-    The output projection x4 (as the FLUX practice model's) and the decoder's first convolution x300
-    (measured on 64x64 x 8 chunks): two seeds now differ by 16-25 dB, and sampling chunks 4+ with 1 step
-    instead of 4 reads 27, 22.5, 20.8, 21.5 dB against the 4-step session (the video gate is 24 dB).
+    The output projection x4 (as the FLUX practice model's) and the decoder's first convolution x300 made
+    two seeds differ by 16-25 dB.  Its self-attention was then nearly uniform and small beside the residual
+    stream, so a chunk barely read the chunks before it: a KV window of 2 or 8 chunks instead of 3 left
+    chunks 3-7 at 37-45 dB of the 3-chunk session, where a trained autoregressive model carries every change
+    of its context into the chunks after it (the drift its users see).  The self-attention's query and key
+    norms x4 each (logits x16: a token attends to a few others, not all) and its output projection x12
+    (attention as large as the residual) give it that: measured on the stream probe's session (64x64 x 8
+    chunks, last frame of each, against the 3-chunk window), a window of 4-8 chunks leaves chunks 0-2 exact,
+    chunk 3 at 26.3 dB and chunks 4-7 at 18.9-20.9 dB (drift past the 24 dB video gate); a window of 2
+    drops chunk 3 to 22.3 dB as well (every chunk past two, not drift); two seeds still differ by 16-25 dB;
+    chunks 4+ sampled with 1 step instead of 4 read 22.2, 19.9, 19.5, 19.1 dB (with 2 steps: 26.8, 24.5,
+    21.7, 21.5).
     """
+    factors = {"proj_out.": 4.0, ".attn1.norm_q.": 4.0, ".attn1.norm_k.": 4.0, ".attn1.to_out.0.": 12.0}
     with torch.no_grad():
         for name, p in transformer.named_parameters():
-            if name.startswith("proj_out"):
-                p.mul_(4.0)
+            for part, factor in factors.items():
+                if part in name:  # proj_out. is the top-level projection's only (checked: no block has one)
+                    p.mul_(factor)
         vae.decoder.conv_in.weight.mul_(300.0)
         vae.decoder.conv_in.bias.mul_(300.0)
 

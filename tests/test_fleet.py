@@ -112,7 +112,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One fleet start for the load test and the fleet drills (a start costs ~35 s on 2 cores)."""
     from stepwatch.fault_injection.fleet import FleetStack
 
-    with FleetStack(tmp_path_factory.mktemp("fleet"), replicas=3, probes=True) as f:
+    with FleetStack(tmp_path_factory.mktemp("fleet"), replicas=3) as f:
         yield f
 
 
@@ -166,16 +166,19 @@ def _node_agents_panel_has_data(fleet: Any) -> None:
 
 @pytest.mark.heavy
 def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
-    """The eight fleet drills on the running fleet: each detected within the goal, delivered, triaged right, nothing
-    else critical, resolved; their own checks hold (routed around, exactly one notification, no sample of the
-    outage lost, only the crowded instance named, only the drifted replica's quality dropped and the rollout's
-    drain cost no request, the capacity alert before the queue-wait alert)."""
+    """Eight of the nine fleet drills on the running fleet: each detected within the goal, delivered, triaged
+    right, nothing else critical, resolved; their own checks hold (routed around, exactly one notification, no
+    sample of the outage lost, only the crowded instance named, only the drifted replica's quality dropped and
+    the rollout's drain cost no request, the capacity alert before the queue-wait alert)."""
     from stepwatch.alerts.thresholds import load
     from stepwatch.fault_injection.fleet_drills import FLEET_DRILLS, run_fleet_drills
     from stepwatch.triage.drill_hook import triage_for_drill
 
     th = load()
-    results = run_fleet_drills(fleet, [d(th) for d in FLEET_DRILLS], triage=triage_for_drill)
+    # rolling-update runs by name and as recordings (runs 28-29; 2026-12-05 here: all nine passed in 739 s): its
+    # rollout is replica-config-drift's, and the suite keeps to its 45 minutes.
+    live = [d for d in FLEET_DRILLS if d.name != "rolling-update"]
+    results = run_fleet_drills(fleet, [d(th) for d in live], triage=triage_for_drill)
     for r in results:
         assert r.passed, (r.name, r.failures, r.checks, r.notes)
         assert r.time_to_detect_s is not None and r.time_to_detect_s <= 60
@@ -187,6 +190,7 @@ def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
         "outage_samples_expected"] - 1
     bad = by["bad-instance"]
     assert bad.triage_cause == "bad_instance" and bad.details["slow_instances"] == [bad.details["crowded_instance"]]
+    assert fleet.probing  # turned on for replica-config-drift, after the load test (a probe is a request too)
     drift = by["replica-config-drift"]  # the quality probers' spread names the replica rolled out on its own config
     psnr = drift.details["psnr_p10_by_pod"]
     gate = th.quality.gates_db[th.quality.default_gate]

@@ -259,9 +259,11 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       "video_vae_untiled", "cache_on_distilled", "video_worker_killed",
                                       # streaming sessions
                                       "stream_stall", "stream_cpu_contention", "kv_window_too_long", "drift",
+                                      "window_drift",
                                       # the practice fleet
                                       "replica_lost", "alertmanager_peer_lost", "central_store_outage",
-                                      "bad_instance", "node_lost", "agent_lost", "pool_short"]
+                                      "bad_instance", "replica_config_drift", "rolling_update", "node_lost",
+                                      "agent_lost", "pool_short"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:

@@ -42,7 +42,7 @@ def test_stream_probe_set_config() -> None:
 
 
 @pytest.mark.heavy
-def test_drift_probe_sees_late_chunks_fall_when_their_steps_are_cut(tmp_path: Path) -> None:
+def test_drift_probe_sees_late_chunks_fall_when_their_steps_are_cut_or_the_window_grows(tmp_path: Path) -> None:
     svc = ServiceProc(tmp_path, OVERRIDES)
     try:
         probes = default_stream_probe_set()
@@ -68,6 +68,19 @@ def test_drift_probe_sees_late_chunks_fall_when_their_steps_are_cut(tmp_path: Pa
             assert_lint_clean(generate_latest(registry).decode(), "the drift prober's series")
 
             assert svc.knobs(stream_late_steps=0)[0] == 200
+            assert prober.run_once().status == "ok"
+            assert value(scrape(registry), CHUNK, probe_set="stream", chunk_index="4-7") == math.inf
+
+            # The other cause: a window past the model's 3 chunks.  The later chunks read their context (the
+            # practice model's attention, service/pipeline.py _sharpen_far): chunk 3 changes but passes, 4-7 fall.
+            assert svc.knobs(stream_window_chunks=6)[0] == 200
+            assert prober.run_once().status == "ok"
+            m = scrape(registry)
+            assert value(m, CHUNK, probe_set="stream", chunk_index="1") == math.inf
+            assert GATE_DB <= value(m, CHUNK, probe_set="stream", chunk_index="2-3") < math.inf
+            assert value(m, CHUNK, probe_set="stream", chunk_index="4-7") < GATE_DB
+            assert value(svc.metrics(), "stepwatch_service_knob_override_active", knob="stream_window_chunks") == 1
+            assert svc.knobs(stream_window_chunks=3)[0] == 200
             assert prober.run_once().status == "ok"
             assert value(scrape(registry), CHUNK, probe_set="stream", chunk_index="4-7") == math.inf
         finally:

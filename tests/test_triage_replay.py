@@ -235,7 +235,7 @@ def test_record_round_trip(replays: dict[str, Replay], tmp_path: Path) -> None:
         assert report.causes == ["straggler_rank"]
 
 
-COMMITTED = {"faults": 108, "controls": 47, "false_alarms": 23}  # triage/README.md, "The evaluation set"
+COMMITTED = {"faults": 113, "controls": 47, "false_alarms": 23}  # triage/README.md, "The evaluation set"
 # Cases recorded fresh and wrong on the runbooks as they are: open defects, kept in the set so that the score
 # says so (triage/README.md); a fix is scored on a fresh recording, not on these.  Run 9's four others left
 # the set when their runbooks (or their label) changed because of them; runs 12-14 score those changes.
