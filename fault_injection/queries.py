@@ -134,7 +134,8 @@ def drill_queries(window: str) -> dict[str, str]:
     """Every query the drills and the baseline calibration run, by name, for one rate window."""
     out = {"mean_step": mean_step(window), "step_by_shape": step_by_shape(window),
            "hit_ratio_by_shape": hit_ratio_by_shape(window), "psnr_p10": psnr_p10(),
-           "quality_gate": quality_gate(), "estimated_wait": estimated_wait(), "queue_depth": queue_depth_by_pool(),
+           "psnr_p10_by_pod": psnr_p10_by_pod(), "quality_gate": quality_gate(), "estimated_wait": estimated_wait(),
+           "queue_depth": queue_depth_by_pool(),
            "service_requests": service_requests(), "rank_stuck": rank_stuck_outside_collectives(),
            "rank_busy_ratio": rank_busy_ratio(window), "pipeline_cpu_wait": pipeline_cpu_wait(window),
            "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(),
