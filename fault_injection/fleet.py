@@ -52,6 +52,7 @@ from stepwatch.fault_injection.stack import (
     WebhookReceiver,
     free_port,
     running_traffic,
+    set_knobs,
 )
 from stepwatch.promapi import Alertmanager, Prometheus
 from stepwatch.service.balancer import BALANCER_JOB, haproxy_argv, haproxy_config, in_flight, set_state
@@ -187,10 +188,13 @@ class FleetStack:
         """A crashed (or stopped) child again with its argv, its port and its data directory; waits for ``ready``."""
         if any(c.name == name for c in self.children):
             self.crash(name)
+        self._respawn(name, ready, "restarted", timeout)
+
+    def _respawn(self, name: str, ready: Callable[[], bool], how: str, timeout: float) -> None:
+        """A gone child started again from its recorded argv (its port, data directory and config file)."""
         argv, env = self._argv[name]
-        c = Child(name, argv, self.workdir / f"{name}.restarted-{time.time():.0f}.log", env=env)
-        self.children.append(c)
-        self._wait(ready, f"{name} (restarted)", time.time() + timeout)
+        self.children.append(Child(name, argv, self.workdir / f"{name}.{how}-{time.time():.0f}.log", env=env))
+        self._wait(ready, f"{name} ({how})", time.time() + timeout)
 
     @property
     def admin_socket(self) -> str:
@@ -210,9 +214,7 @@ class FleetStack:
         child = self._find(name)
         child.stop()
         self.children.remove(child)
-        argv, env = self._argv[name]
-        self.children.append(Child(name, argv, self.workdir / f"{name}.rollout-{time.time():.0f}.log", env=env))
-        self._wait(ready, f"{name} (rolled out)", time.time() + timeout)
+        self._respawn(name, ready, "rolled-out", timeout)
         set_state(self.admin_socket, name, "ready")
 
     def _find(self, name: str) -> Child:
@@ -361,11 +363,7 @@ class FleetStack:
 
     def replica_knobs(self, name: str, **knobs: Any) -> dict[str, Any]:
         """One replica's admin knobs (the fleet as a whole has none: its drills change replicas, not knobs)."""
-        r = httpclient.request("POST", self.replica(name).service_url + "/admin/knobs", json=knobs,
-                               headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60)
-        if r.status_code != 200:
-            raise RuntimeError(f"{name} admin knobs {knobs}: HTTP {r.status_code}: {r.text[:300]}")
-        return dict(r.json())
+        return set_knobs(self.replica(name).service_url, ADMIN_TOKEN, knobs)
 
     def _start_balancer(self, deadline: float) -> None:
         port, mport = free_port(), free_port()

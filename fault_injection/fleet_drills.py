@@ -89,16 +89,17 @@ class ReplicaLost(FleetDrill):
         stack.restart(f"{self.target}-sidecar", _sidecar_ready(stack, self.target))
 
     def after(self, stack: Any, r: DrillResult) -> None:
-        _only_in_flight_failed(stack, r)
+        """Only requests in flight on the lost replica failed: at most one per client, every other one answered."""
+        t = stack.active_traffic
+        failed = sum(n for c, n in t.codes.items() if c != 200) if t is not None else 0
+        r.details["failed_in_flight"] = failed
+        r.checks["only_in_flight_failed"] = t is not None and failed <= t.concurrency and t.codes.get(200, 0) > 0
 
 
-def _only_in_flight_failed(stack: Any, r: DrillResult) -> None:
-    """Only requests in flight on the replica that went away failed: at most one per client, every other one
-    answered."""
-    t = stack.active_traffic
-    failed = sum(n for c, n in t.codes.items() if c != 200) if t is not None else 0
-    r.details["failed_in_flight"] = failed
-    r.checks["only_in_flight_failed"] = t is not None and failed <= t.concurrency and t.codes.get(200, 0) > 0
+def _named_by(stack: Any, alertname: str, label: str) -> list[str]:
+    """The values of ``label`` on the firing (or pending) ``alertname`` alerts: who the alert names."""
+    return sorted({a["labels"].get(label, "") for a in stack.prom.firing()
+                   if a["labels"].get("alertname") == alertname})
 
 
 class AlertmanagerPeerLost(FleetDrill):
@@ -312,8 +313,7 @@ class BadInstance(FleetDrill):
 
     def while_firing(self, stack: Any, r: DrillResult) -> None:
         """Only the crowded replica is named: the others stay quiet."""
-        named = sorted({a["labels"].get("instance", "") for a in stack.prom.firing()
-                        if a["labels"].get("alertname") == self.expected})
+        named = _named_by(stack, self.expected, "instance")
         r.details["slow_instances"] = named
         r.checks["only_the_crowded_instance"] = named == [self.instance]
 
@@ -340,8 +340,7 @@ class ReplicaConfigDrift(FleetDrill):
         """Only the drifted replica's quality dropped: each replica's p10 PSNR, and who the alert names."""
         r.details["psnr_p10_by_pod"] = {s.labels.get("pod", ""): round(s.value, 2)
                                         for s in stack.prom.query(queries.psnr_p10_by_pod())}
-        named = sorted({a["labels"].get("pod", "") for a in stack.prom.firing()
-                        if a["labels"].get("alertname") == self.expected})
+        named = _named_by(stack, self.expected, "pod")
         r.details["quality_drop_pods"] = named
         r.checks["only_the_drifted_replica"] = named == [self.target]
 

@@ -266,6 +266,14 @@ def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | Non
         return r.status_code, r.text, r.headers
 
 
+def set_knobs(service_url: str, admin_token: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """``POST /admin/knobs`` on one service; the knobs it now has, or RuntimeError naming the refusal."""
+    status, body, _ = _http("POST", service_url + "/admin/knobs", knobs, {"Authorization": f"Bearer {admin_token}"})
+    if status != 200:
+        raise RuntimeError(f"admin knobs {knobs} on {service_url}: HTTP {status}: {body}")
+    return dict(body)
+
+
 class Traffic:
     """Steady client load: ``concurrency`` clients cycling through request bodies."""
 
@@ -668,11 +676,7 @@ class LocalStack:
         return f"a LocalStack ({self.ranks} rank(s), compile {compile_label}, {self.profile} profile)"
 
     def knobs(self, **knobs: Any) -> dict[str, Any]:
-        status, body, _ = _http("POST", self.service_url + "/admin/knobs", knobs,
-                                {"Authorization": f"Bearer {self.admin_token}"})
-        if status != 200:
-            raise RuntimeError(f"admin knobs {knobs}: HTTP {status}: {body}")
-        return dict(body)
+        return set_knobs(self.service_url, self.admin_token, knobs)
 
     def healthy(self) -> bool:
         return httpclient.ok(self.service_url + "/healthz", timeout=5) and self._ready()
