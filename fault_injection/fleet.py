@@ -11,10 +11,11 @@ Every part is a child process on a free loopback port, as in the one-instance st
                                                           ▼
                                      Alertmanager 1 ◄─ gossip ─► Alertmanager 2 ──► webhook (once)
 
-Replicas run compile off with the small pool warmed up (three workers share two cores here) and their sidecars
-read no GPU.  They probe nothing until a drill that reads output quality (replica-config-drift) turns the probers
-on (``enable_probes``: every sidecar restarted with them): then each sidecar probes its own replica with a
-four-image set against one baseline, captured on replica 0 with the cache off (all replicas are one deployment:
+Replicas run compile off with the small pool warmed up (three workers share two cores here).  Each replica has
+a loopback address of its own (127.0.0.10, .11, ...: a pod's IP) and its sidecar one stand-in GPU (a state
+file a drill can set throttled, exporter/sidecar/practice_gpus.py).  The sidecars probe nothing until a drill
+that reads output quality (replica-config-drift) turns the probers on (``enable_probes``: every sidecar
+restarted with them): then each sidecar probes its own replica with a four-image set against one baseline, captured on replica 0 with the cache off (all replicas are one deployment:
 one fingerprint), so the central store holds one PSNR per replica and a bad instance shows as the spread between
 them.  Four images, not the one-instance stack's twenty: three probers share the two cores with three workers.
 Off until then because a probe is a request like any other: the load test counts every request per replica.
@@ -42,6 +43,7 @@ from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.alerts.thresholds import parse_duration
 from stepwatch.exporter.sidecar.capture import capture_baseline
 from stepwatch.exporter.sidecar.config import ProbeSet, default_probe_set
+from stepwatch.exporter.sidecar.practice_gpus import write_state
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.stack import (
     ADMIN_TOKEN,
@@ -84,17 +86,29 @@ def _agents_up(prom: Prometheus, n: int) -> Callable[[], bool]:
     return lambda: sum(s.value for s in prom.query(queries.agents_up())) >= n
 
 
+def replica_host(index: int) -> str:
+    """Replica ``index``'s own loopback address (Linux routes all of 127/8 to ``lo``): its service and sidecar
+    listen there, as a pod's containers share the pod's IP, so a check that finds a replica's sidecar by its
+    host (instance-slow.md's throttle check) finds that replica's and no other's."""
+    return f"127.0.0.{10 + index}"
+
+
 @dataclass
 class Replica:
     name: str
     service_url: str
     sidecar_url: str
     node: str
+    gpus: Path  # the sidecar's stand-in GPU (exporter/sidecar/practice_gpus.py): one per replica, unthrottled
+
+    @property
+    def host(self) -> str:
+        return self.service_url.removeprefix("http://").rsplit(":", 1)[0]
 
 
 def _sidecar_argv(r: Replica, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "stepwatch.cli", "sidecar", "--target", r.service_url, "--port",
-            r.sidecar_url.rsplit(":", 1)[1], "--no-nvml", *extra]
+    return [sys.executable, "-m", "stepwatch.cli", "sidecar", "--target", r.service_url, "--host", r.host, "--port",
+            r.sidecar_url.rsplit(":", 1)[1], "--practice-gpus", str(r.gpus), *extra]
 
 
 @dataclass
@@ -316,14 +330,17 @@ class FleetStack:
 
     def _start_replicas(self, deadline: float) -> None:
         for i in range(self.replicas):
-            port, sc_port = free_port(), free_port()
-            name = f"replica-{i}"
+            host, name = replica_host(i), f"replica-{i}"
+            port, sc_port = free_port(host), free_port(host)
             cfg = self.workdir / f"{name}.yaml"
             cfg.write_text(yaml.safe_dump(REPLICA_SERVICE))
-            self._child(name, [sys.executable, "-m", "stepwatch.cli", "serve", "--config", str(cfg), "--port",
-                               str(port), "--instance-id", f"{name}:{port}"], env={"OMP_WAIT_POLICY": "PASSIVE"})
-            self.members.append(Replica(name, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{sc_port}",
-                                        f"node-{i % self.nodes}"))
+            self._child(name, [sys.executable, "-m", "stepwatch.cli", "serve", "--config", str(cfg), "--host", host,
+                               "--port", str(port), "--instance-id", f"{name}:{port}"],
+                        env={"OMP_WAIT_POLICY": "PASSIVE"})
+            replica = Replica(name, f"http://{host}:{port}", f"http://{host}:{sc_port}", f"node-{i % self.nodes}",
+                              self.workdir / f"{name}-gpus.json")
+            write_state(replica.gpus, 1)
+            self.members.append(replica)
         self.progress(f"starting {self.replicas} replicas (service + sidecar each)")
         for r in self.members:
             self._wait(_ok(r.service_url + "/readyz"), r.name, deadline)

@@ -14,6 +14,8 @@ alerts, cause and limits come from its block in runbooks/drills.md.
 - ``alertmanager-peer-lost``: one Alertmanager of the gossip pair killed, then a replica's sidecar: the
   notification still arrives, exactly once;
 - ``bad-instance``: CPU-bound processes beside one replica's worker: StepwatchInstanceSlow names it alone;
+- ``replica-gpu-throttle``: one replica's stand-in GPU throttled and its steps delayed: the same alert for that
+  replica alone, triage says ``gpu_throttling`` (its sidecar found by the replica's own address);
 - ``replica-config-drift``: one replica rolled out on a config with a higher cache threshold: StepwatchQualityDrop
   names it alone (the fleet's probers on), triage says ``bad_instance`` from the PSNR spread;
 - ``rolling-update``: one replica rolled out under the steady load: while it warms, StepwatchPoolCapacityShort
@@ -34,6 +36,7 @@ from typing import Any
 
 from stepwatch import httpclient
 from stepwatch.fault_injection import queries
+from stepwatch.exporter.sidecar.practice_gpus import write_state
 from stepwatch.fault_injection.drills import Drill, DrillResult, start_neighbours, stop_neighbours
 from stepwatch.fault_injection.fleet import REPLICA_SERVICE
 from stepwatch.fault_injection.stack import Traffic, starts_at
@@ -286,20 +289,30 @@ def _pin(pids: list[int], cpus: list[int]) -> None:
                        capture_output=True)
 
 
-class BadInstance(FleetDrill):
+class SlowReplica(FleetDrill):
+    """One replica's steps slowed: StepwatchInstanceSlow must name its instance (host:port) and no other."""
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.instance = ""  # host:port of the slowed replica's service, set at injection
+
+    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
+        labels = alert.get("labels", {})
+        return bool(labels.get("alertname") == self.expected and labels.get("instance") == self.instance)
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """Only the slowed replica is named: the others stay quiet."""
+        named = _named_by(stack, self.expected, "instance")
+        r.details["slow_instances"] = named
+        r.checks["only_the_slow_instance"] = named == [self.instance]
+
+
+class BadInstance(SlowReplica):
     name = "bad-instance"
     doc_id = "bad_instance"
     description = ("CPU-bound processes beside one replica's worker (its processes and the neighbours on one CPU; "
                    "no knob): its steps slow, the others' do not; StepwatchInstanceSlow names it, triage "
                    "says bad_instance.")
-
-    def __init__(self, *a: Any, **k: Any) -> None:
-        super().__init__(*a, **k)
-        self.instance = ""  # host:port of the crowded replica's service, set at injection
-
-    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
-        labels = alert.get("labels", {})
-        return bool(labels.get("alertname") == self.expected and labels.get("instance") == self.instance)
 
     def inject(self, stack: Any, r: DrillResult) -> None:
         cpu = max(os.sched_getaffinity(0))
@@ -311,15 +324,36 @@ class BadInstance(FleetDrill):
         r.details.update(crowded_instance=self.instance, crowded_cpu=cpu, crowded_pids=pids)
         r.notes.append(f"{self.target} ({self.instance}) pinned to CPU {cpu} beside {per_cpu} CPU-bound processes")
 
-    def while_firing(self, stack: Any, r: DrillResult) -> None:
-        """Only the crowded replica is named: the others stay quiet."""
-        named = _named_by(stack, self.expected, "instance")
-        r.details["slow_instances"] = named
-        r.checks["only_the_crowded_instance"] = named == [self.instance]
-
     def restore(self, stack: Any, r: DrillResult) -> None:
         stop_neighbours(r)
         _pin(r.details.get("crowded_pids", []), sorted(os.sched_getaffinity(0)))
+
+
+class ReplicaGpuThrottle(SlowReplica):
+    """The one-instance gpu-throttle drill on one replica of the fleet: the same alert as bad-instance, another
+    cause.  The replica's sidecar reports its stand-in GPU throttled (a state file, as NVML would), and the
+    admin step delay slows that replica as the lower clock would (the practice fleet has no GPU to slow)."""
+
+    name = "replica-gpu-throttle"
+    doc_id = "replica_gpu_throttle"
+    description = ("One replica's GPU throttles (its sidecar's stand-in GPU reports a slowdown reason and a lower "
+                   "SM clock; a step delay on that replica stands in for the clock): StepwatchInstanceSlow names "
+                   "it alone, and triage must blame the clock (gpu_throttling), not the instance.")
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        replica, gpu = stack.replica(self.target), self.spec.inject["gpu_throttle"]
+        reason, clock = str(gpu.get("reason", "sw_thermal_slowdown")), float(gpu.get("sm_clock_mhz", 1110))
+        delay = float(self.spec.inject["step_delay_seconds"])
+        self.instance = replica.service_url.removeprefix("http://")
+        write_state(replica.gpus, 1, {0: [reason]}, {0: clock})
+        stack.replica_knobs(self.target, rank_delay_seconds={"0": delay})
+        r.details.update(throttled_instance=self.instance, throttle_reason=reason, sm_clock_mhz=clock)
+        r.notes.append(f"{self.target} ({self.instance}): its GPU {reason} at {clock:g} MHz, each step "
+                       f"{delay * 1000:g} ms longer")
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        stack.replica_knobs(self.target, rank_delay_seconds={})
+        write_state(stack.replica(self.target).gpus, 1)  # the GPU stays; the throttle ends
 
 
 class ReplicaConfigDrift(FleetDrill):
@@ -455,9 +489,10 @@ class PoolShort(FleetDrill):
             r.details["ramp_codes"] = {str(k): v for k, v in sorted(t.codes.items())}
 
 
+# replica-gpu-throttle last: its throttle stays in the runbooks' look-back (diagnosis.throttle_lookback).
 FLEET_DRILLS: tuple[type[Drill], ...] = (ReplicaLost, NodeLost, AgentLost, AlertmanagerPeerLost,
                                          CentralStoreOutage, BadInstance, ReplicaConfigDrift, RollingUpdate,
-                                         PoolShort)
+                                         PoolShort, ReplicaGpuThrottle)
 # Steady traffic before each fleet drill: two scrapes.  The one-instance drills' 25 s re-measure per-shape step
 # baselines on it; no fleet drill reads them, and "quiet before" is the runner's own wait.
 FLEET_STEADY_S = 10.0
