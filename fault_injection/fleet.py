@@ -15,10 +15,11 @@ Replicas run compile off with the small pool warmed up (three workers share two 
 a loopback address of its own (127.0.0.10, .11, ...: a pod's IP) and its sidecar one stand-in GPU (a state
 file a drill can set throttled, exporter/sidecar/practice_gpus.py).  The sidecars probe nothing until a drill
 that reads output quality (replica-config-drift) turns the probers on (``enable_probes``: every sidecar
-restarted with them): then each sidecar probes its own replica with a four-image set against one baseline, captured on replica 0 with the cache off (all replicas are one deployment:
-one fingerprint), so the central store holds one PSNR per replica and a bad instance shows as the spread between
-them.  Four images, not the one-instance stack's twenty: three probers share the two cores with three workers.
-Off until then because a probe is a request like any other: the load test counts every request per replica.
+restarted with them): then each sidecar probes its own replica with a four-image set against one baseline,
+captured on replica 0 with the cache off (all replicas are one deployment: one fingerprint), so the central
+store holds one PSNR per replica and a bad instance shows as the spread between them.  Four images, not the
+one-instance stack's twenty: three probers share the two cores with three workers.  Off until then because a
+probe is a request like any other: the load test counts every request per replica.
 """
 
 from __future__ import annotations

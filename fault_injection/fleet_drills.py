@@ -35,8 +35,8 @@ import time
 from typing import Any
 
 from stepwatch import httpclient
-from stepwatch.fault_injection import queries
 from stepwatch.exporter.sidecar.practice_gpus import write_state
+from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.drills import Drill, DrillResult, start_neighbours, stop_neighbours
 from stepwatch.fault_injection.fleet import REPLICA_SERVICE
 from stepwatch.fault_injection.stack import Traffic, starts_at

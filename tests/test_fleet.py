@@ -128,6 +128,7 @@ def test_load_through_the_balancer_at_three_replicas(fleet: Any) -> None:
         agents = Prometheus(url).query(queries.agents_up())  # and each evaluator scrapes each node's agent
         assert sorted((s.labels["node"], s.value) for s in agents) == [("node-0", 1.0), ("node-1", 1.0)]
     _node_agents_panel_has_data(fleet)
+    _each_replica_on_its_own_address(fleet)
     for url in fleet.alertmanagers:  # the two Alertmanagers gossip as one cluster
         status = httpx.get(url + "/api/v2/status", timeout=5).json()
         assert status["cluster"]["status"] == "ready" and len(status["cluster"]["peers"]) == 2, status
@@ -139,14 +140,14 @@ def test_load_through_the_balancer_at_three_replicas(fleet: Any) -> None:
     assert r["spread"] <= 0.2, r["balancer_per_replica"]  # within 20% of even
     lb, direct = r["balancer_per_replica"], 10  # direct requests go round robin: 10 per replica
     for rep in fleet.members:
-        port = rep.service_url.rsplit(":", 1)[1]
-        assert r["central_counted"][f"127.0.0.1:{port}"] == lb[f"{rep.name}:{port}"] + direct, r
+        address = rep.service_url.removeprefix("http://")
+        assert r["central_counted"][address] == lb[f"{rep.name}:{address.rsplit(':', 1)[1]}"] + direct, r
     assert r["balancer_p50_ms"] > 0 and r["direct_p50_ms"] > 0
     # haproxy's own cost on a health check: well under a generation's; a loopback hop is a fraction of a millisecond,
     # within the noise of a shared 2-core VM (one run read -0.03 ms), so only its size is checked
     assert -2 < r["proxy_added_ms"] < 50
     # The scale table's inputs were measured, not assumed.
-    assert s["series_per_pod"]["service"] > 100 and s["series_per_pod"]["sidecar"] >= 1  # sidecars: no GPU, no probe
+    assert s["series_per_pod"]["service"] > 100 and s["series_per_pod"]["sidecar"] >= 1  # sidecars: one GPU, no probe
     assert s["samples_per_s"] > 0 and s["bytes_per_head_series"] > 0 and s["wire_bytes_per_sample"] > 0
     assert s["production_pod"]["pod"] > s["series_per_pod"]["pod"]
     assert [row["series"] for row in s["production"]] == sorted(row["series"] for row in s["production"])
@@ -164,9 +165,23 @@ def _node_agents_panel_has_data(fleet: Any) -> None:
     assert len(agents) == 2 and len(balancer) == 3 and all(s.value == 1 for s in agents + balancer)
 
 
+def _each_replica_on_its_own_address(fleet: Any) -> None:
+    """Each replica's service and sidecar share a loopback address no other replica has (a pod's IP), and each
+    sidecar reports one stand-in GPU there: a check that finds a replica's sidecar by host (instance-slow.md's
+    throttle check, which replica-gpu-throttle exercises) reads that replica's GPU alone."""
+    from stepwatch.promapi import Prometheus
+
+    hosts = [rep.host for rep in fleet.members]
+    assert len(set(hosts)) == 3 and "127.0.0.1" not in hosts, hosts
+    clocks = Prometheus(fleet.evaluators[0]).query("stepwatch_gpu_sm_clock_hertz")
+    assert sorted(s.labels["instance"].rsplit(":", 1)[0] for s in clocks) == sorted(hosts), clocks
+    up = Prometheus(fleet.evaluators[0]).query('up{job!~"prometheus-agent|stepwatch-balancer"}')
+    assert sorted(s.labels["instance"].rsplit(":", 1)[0] for s in up) == sorted(hosts * 2), up
+
+
 @pytest.mark.heavy
 def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
-    """Eight of the nine fleet drills on the running fleet: each detected within the goal, delivered, triaged
+    """Eight of the ten fleet drills on the running fleet: each detected within the goal, delivered, triaged
     right, nothing else critical, resolved; their own checks hold (routed around, exactly one notification, no
     sample of the outage lost, only the crowded instance named, only the drifted replica's quality dropped and
     the rollout's drain cost no request, the capacity alert before the queue-wait alert)."""
@@ -175,9 +190,11 @@ def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
     from stepwatch.triage.drill_hook import triage_for_drill
 
     th = load()
-    # rolling-update runs by name and as recordings (runs 28-29; 2026-12-05 here: all nine passed in 739 s): its
-    # rollout is replica-config-drift's, and the suite keeps to its 45 minutes.
-    live = [d for d in FLEET_DRILLS if d.name != "rolling-update"]
+    # rolling-update and replica-gpu-throttle run by name and as recordings (runs 28-29, 30-31; 2026-12-05 here:
+    # all nine before the throttle passed in 739 s): the rollout is replica-config-drift's, the slowed replica
+    # bad-instance's (the throttle check's own address: _each_replica_on_its_own_address), and the suite keeps to
+    # its 45 minutes.
+    live = [d for d in FLEET_DRILLS if d.name not in ("rolling-update", "replica-gpu-throttle")]
     results = run_fleet_drills(fleet, [d(th) for d in live], triage=triage_for_drill)
     for r in results:
         assert r.passed, (r.name, r.failures, r.checks, r.notes)

@@ -262,8 +262,8 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       "window_drift",
                                       # the practice fleet
                                       "replica_lost", "alertmanager_peer_lost", "central_store_outage",
-                                      "bad_instance", "replica_config_drift", "rolling_update", "node_lost",
-                                      "agent_lost", "pool_short", "replica_gpu_throttle"]
+                                      "bad_instance", "replica_gpu_throttle", "replica_config_drift", "rolling_update",
+                                      "node_lost", "agent_lost", "pool_short"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:
