@@ -743,15 +743,34 @@ class Runner:
             r.notes.append(f"step baselines not re-measured: {e}")
             return
         moved: dict[str, list[float]] = {}
+        new: list[str] = []
         for s in rows:
             shape, base = s.label("shape"), self.baselines.get(s.label("shape"))
-            if base is not None and "step_seconds" in base and math.isfinite(s.value) and s.value > 0:
+            if shape == "other" or not (math.isfinite(s.value) and s.value > 0):
+                continue
+            if base is None:  # a shape only this drill's clients send (cache-off's 50 steps)
+                self.baselines[shape] = {"step_seconds": round(s.value, 6)}
+                new.append(shape)
+            elif "step_seconds" in base:
                 moved[shape] = [base["step_seconds"], round(s.value, 6)]
                 base["step_seconds"] = round(s.value, 6)
-        if moved:
+        if new:
+            self._measure_new_hit_ratios(r, new, f"{int(window_s)}s")
+        if moved or new:
             _attempt(r, "publishing the re-measured baselines",
                      lambda: self.stack.knobs(baselines={"shapes": self.baselines}))
             r.details["step_baselines_remeasured"] = moved
+
+    def _measure_new_hit_ratios(self, r: DrillResult, shapes: list[str], window: str) -> None:
+        """A shape calibration never saw gets its hit-rate baseline from the same steady window as its step time
+        (as a deployment's benchmark run measures both for every shape it serves)."""
+        try:
+            for s in self.stack.prom.query(queries.hit_ratio_by_shape(window)):
+                if s.label("shape") in shapes and math.isfinite(s.value) and s.value > 0:
+                    self.baselines[s.label("shape")]["cache_hit_ratio"] = round(s.value, 4)
+        except PromError as e:
+            r.notes.append(f"hit-rate baselines of {shapes} not measured: {e}")
+        r.details["baselines_measured_for_new_shapes"] = {k: dict(self.baselines[k]) for k in shapes}
 
     def _states_of(self, name: str, r: DrillResult, timeout: float | None = None) -> set[str]:
         """The states (pending, firing) ``name`` is in, after waiting up to the quiet deadline for none."""

@@ -64,7 +64,8 @@ log = logging.getLogger("stepwatch.fleet")
 
 # Each replica: the drill service without its large pool's warm-up, compile, video or streaming (three workers
 # warm up on two cores at once).
-REPLICA_SERVICE: dict[str, Any] = {**DRILL_SERVICE, "warmup": ["256x256"], "compile": {"enabled": False},
+REPLICA_SERVICE: dict[str, Any] = {**DRILL_SERVICE, "warmup": ["256x256"], "served_steps": [],
+                                   "compile": {"enabled": False},
                                    "stream": {"enabled": False}, "video": {"enabled": False}}
 FLEET_PROBE_INTERVAL_S = 10.0
 

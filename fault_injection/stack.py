@@ -57,6 +57,7 @@ PROBE_SIZE = "256x256"
 DRILL_SERVICE: dict[str, Any] = {
     "warmup": ["256x256", "512x512", "2048x2048"],
     "default_steps": 8,
+    "served_steps": [50],  # cache-off's clients (512² at 50 steps: a label and baselines of their own)
     "cache": {"kind": "first_block_cache", "threshold": 0.7},
     "pools": {"small": {"sizes": ["256x256", "512x512"], "slo_seconds": 8, "max_wait_seconds": 16},
               "large": {"sizes": ["1024x1024", "2048x2048"], "slo_seconds": 60, "max_wait_seconds": 120}},

@@ -142,6 +142,9 @@ class ServiceConfig:
     dtype: str | None = None
     default_size: str = "512x512"
     default_steps: int = 8
+    # Other step counts clients send that get shape labels (and baselines) of their own; any other count
+    # folds into `other` (bounded labels).  A FLUX-dev deployment may serve 28 and 50 beside its default.
+    served_steps: list[int] = field(default_factory=list)
     max_steps: int = 50
     max_side: int = 2048
     max_pixels: int = 2048 * 2048
@@ -207,13 +210,14 @@ class ServiceConfig:
         return sorted(set(out))
 
     def serving_shapes(self) -> list[str]:
-        """The exporter's label allowlist: every pool size at the default steps, CFG off and on, and the
-        warm-up shapes (at warmup_steps)."""
+        """The exporter's label allowlist: every pool size at the default steps and each served step count, CFG
+        off and on, and the warm-up shapes (at warmup_steps)."""
         out = []
         for p in self.pools:
             for s in p.sizes:
                 w, h = parse_size(s)
-                out += [f"{w}x{h}_{self.default_steps}s", f"{w}x{h}_{self.default_steps}s_cfg"]
+                for n in sorted({self.default_steps, *self.served_steps}):
+                    out += [f"{w}x{h}_{n}s", f"{w}x{h}_{n}s_cfg"]
         for s in self.warmup:
             w, h = parse_size(s)
             out += [f"{w}x{h}_{self.warmup_steps}s", f"{w}x{h}_{self.cache_warmup_steps}s"]
@@ -367,6 +371,10 @@ def _check_limits(cfg: ServiceConfig) -> None:
         _check_type(getattr(cfg, key), int, key)
     if not 1 <= cfg.default_steps <= cfg.max_steps:
         raise ConfigError(f"default_steps: must be within 1..max_steps ({cfg.max_steps})")
+    if not isinstance(cfg.served_steps, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= cfg.max_steps for n in cfg.served_steps):
+        raise ConfigError(f"served_steps: a list of step counts within 1..max_steps ({cfg.max_steps}), "
+                          f"got {cfg.served_steps!r}")
     if cfg.warmup_steps < 1:
         raise ConfigError("warmup_steps: must be >= 1")
     if cfg.ranks not in (1, 2):

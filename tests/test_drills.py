@@ -131,14 +131,15 @@ def test_a_drill_whose_alert_is_already_pending_is_not_run() -> None:
 class _StepProm(_AlertsProm):
     """Nothing firing; the per-shape step time of the steady traffic answers ``rows`` (shape -> seconds)."""
 
-    def __init__(self, rows: dict[str, float]) -> None:
+    def __init__(self, rows: dict[str, float], hits: dict[str, float] | None = None) -> None:
         super().__init__([])
-        self.rows = rows
+        self.rows, self.hits = rows, hits or {}
         self.asked: list[str] = []
 
     def query(self, q: str) -> list[Sample]:
         self.asked.append(q)
-        return [Sample({"shape": k}, v) for k, v in self.rows.items()]
+        rows = self.hits if "stepwatch_cache_decisions_total" in q else self.rows
+        return [Sample({"shape": k}, v) for k, v in rows.items()]
 
 
 class _BaselineStack(_QuietStack):
@@ -152,7 +153,8 @@ class _BaselineStack(_QuietStack):
 
 def test_each_drill_remeasures_the_step_baselines_on_its_steady_traffic() -> None:
     """The host's drift since calibration is not the fault: step baselines come from the minutes before it."""
-    prom = _StepProm({"512x512_8s": 0.0188, "256x256_8s": float("nan"), "1024x1024_8s": 0.05, "other": 0.3})
+    prom = _StepProm({"512x512_8s": 0.0188, "256x256_8s": float("nan"), "512x512_50s": 0.004, "other": 0.3},
+                     hits={"512x512_8s": 0.6, "512x512_50s": 0.71, "other": 0.2})
     stack = _BaselineStack(prom)
     runner = Runner(stack, TH)  # type: ignore[arg-type]
     runner.baselines = {"512x512_8s": {"step_seconds": 0.023, "cache_hit_ratio": 0.37},
@@ -164,7 +166,11 @@ def test_each_drill_remeasures_the_step_baselines_on_its_steady_traffic() -> Non
     assert r.details["step_baselines_remeasured"] == {"512x512_8s": [0.023, 0.0188]}
     assert stack.published == [{"baselines": {"shapes": {
         "512x512_8s": {"step_seconds": 0.0188, "cache_hit_ratio": 0.37},  # the hit rate stays as calibrated
-        "256x256_8s": {"step_seconds": 0.0093, "cache_hit_ratio": 0.36}}}}]  # no steps measured: kept
+        "256x256_8s": {"step_seconds": 0.0093, "cache_hit_ratio": 0.36},  # no steps measured: kept
+        # a shape only the drill's clients send (cache-off's 50 steps): both baselines from its steady traffic
+        "512x512_50s": {"step_seconds": 0.004, "cache_hit_ratio": 0.71}}}}]
+    assert r.details["baselines_measured_for_new_shapes"] == {"512x512_50s": {"step_seconds": 0.004,
+                                                                              "cache_hit_ratio": 0.71}}
     # Too short a steady phase for a rate (under two scrapes): nothing measured, nothing published.
     short = Runner(_BaselineStack(_StepProm({"512x512_8s": 0.5})), TH)  # type: ignore[arg-type]
     short.baselines = {"512x512_8s": {"step_seconds": 0.023}}

@@ -21,6 +21,14 @@ def test_embedded_default_config_is_valid() -> None:
     assert cfg.pool_for("384x384").name == "other"
     assert "512x512_8s" in cfg.serving_shapes() and "512x512_8s_cfg" in cfg.serving_shapes()
     assert parse(cfg.to_raw()) == cfg  # what the worker receives parses back identically
+    assert not any(s.startswith("512x512_50s") for s in cfg.serving_shapes())  # 50 steps fold into "other"
+
+
+def test_served_steps_get_shape_labels_of_their_own() -> None:
+    cfg = parse({"pools": {"small": {"sizes": ["256x256"]}}, "served_steps": [50, 28], "warmup": []})
+    assert cfg.serving_shapes() == ["256x256_28s", "256x256_28s_cfg", "256x256_50s", "256x256_50s_cfg",
+                                    "256x256_8s", "256x256_8s_cfg"]
+    assert parse(cfg.to_raw()) == cfg
 
 
 @pytest.mark.parametrize("raw,key", [
@@ -33,6 +41,8 @@ def test_embedded_default_config_is_valid() -> None:
     ({"pools": {"a": {"sizes": ["256x256"]}, "b": {"sizes": ["256x256"]}}}, "pools.b.sizes"),
     ({"pools": {"Big Pool": {"sizes": []}}}, "pools.Big Pool"),
     ({"ranks": 3}, "ranks"),
+    ({"served_steps": [8, 51]}, "served_steps"),
+    ({"served_steps": 50}, "served_steps"),
     ({"admin_token": "short"}, "admin_token"),
     ({"memory_budget_mb": 0}, "memory_budget_mb"),
     ({"colour": "blue"}, "colour"),
