@@ -300,6 +300,12 @@ class SlowReplica(FleetDrill):
         labels = alert.get("labels", {})
         return bool(labels.get("alertname") == self.expected and labels.get("instance") == self.instance)
 
+    def slowed(self, stack: Any) -> Any:
+        """The drill's target replica, whose service address (host:port) the alert must name."""
+        replica = stack.replica(self.target)
+        self.instance = replica.service_url.removeprefix("http://")
+        return replica
+
     def while_firing(self, stack: Any, r: DrillResult) -> None:
         """Only the slowed replica is named: the others stay quiet."""
         named = _named_by(stack, self.expected, "instance")
@@ -317,7 +323,7 @@ class BadInstance(SlowReplica):
     def inject(self, stack: Any, r: DrillResult) -> None:
         cpu = max(os.sched_getaffinity(0))
         per_cpu = int(self.spec.inject.get("per_cpu", 2))
-        self.instance = stack.replica(self.target).service_url.removeprefix("http://")
+        self.slowed(stack)
         pids = _group_pids(stack.child_pid(self.target))
         _pin(pids, [cpu])
         r.details["_neighbours"] = start_neighbours([cpu], per_cpu)
@@ -341,10 +347,9 @@ class ReplicaGpuThrottle(SlowReplica):
                    "it alone, and triage must blame the clock (gpu_throttling), not the instance.")
 
     def inject(self, stack: Any, r: DrillResult) -> None:
-        replica, gpu = stack.replica(self.target), self.spec.inject["gpu_throttle"]
+        replica, gpu = self.slowed(stack), self.spec.inject["gpu_throttle"]
         reason, clock = str(gpu.get("reason", "sw_thermal_slowdown")), float(gpu.get("sm_clock_mhz", 1110))
         delay = float(self.spec.inject["step_delay_seconds"])
-        self.instance = replica.service_url.removeprefix("http://")
         write_state(replica.gpus, 1, {0: [reason]}, {0: clock})
         stack.replica_knobs(self.target, rank_delay_seconds={"0": delay})
         r.details.update(throttled_instance=self.instance, throttle_reason=reason, sm_clock_mhz=clock)

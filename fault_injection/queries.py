@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from stepwatch.alerts.promql import agg, cache_hit_ratio, mean_step_time, quantile, sel, sum_rate
 from stepwatch.alerts.thresholds import AGENT_JOB
+from stepwatch.alerts.thresholds import load as load_thresholds
 
 REQUEST_SECONDS_BUCKET = "stepwatch_service_request_duration_seconds_bucket"
 LATENCY_QUANTILES = {"p50": 0.5, "p99": 0.99}  # the off-menu drill: p99 rises while p50 stays flat
@@ -82,6 +83,14 @@ def pipeline_cpu_wait(window: str) -> str:
     return sum_rate("stepwatch_pipeline_cpu_wait_seconds_total", window)
 
 
+def pipeline_cpu_starved(window: str) -> str:
+    """The pipeline's CPU waits per second it ran (the run read as at least ``diagnosis.cpu_run_floor``): the
+    step-time runbook's starved-CPU measure, which the CPU-contention drill checks as the runbook asks it."""
+    floor = float(load_thresholds().diagnosis["cpu_run_floor"])
+    return (f"{sum_rate('stepwatch_pipeline_cpu_wait_seconds_total', window)}\n/\n"
+            f"clamp_min({sum_rate('stepwatch_pipeline_cpu_run_seconds_total', window)}, {floor:g})")
+
+
 def few_step_hits() -> str:
     """Cache hits on few-step requests so far, all shapes (the cache-on-distilled drill: the exporter counted them)."""
     return agg("sum", "stepwatch_cache_few_step_hits_total")
@@ -138,6 +147,7 @@ def drill_queries(window: str) -> dict[str, str]:
            "queue_depth": queue_depth_by_pool(),
            "service_requests": service_requests(), "rank_stuck": rank_stuck_outside_collectives(),
            "rank_busy_ratio": rank_busy_ratio(window), "pipeline_cpu_wait": pipeline_cpu_wait(window),
+           "pipeline_cpu_starved": pipeline_cpu_starved(window),
            "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(),
            "agents_up": agents_up(),
            "requests_ok_by_instance": requests_ok_by_instance(), "up_samples": up_samples(window)}

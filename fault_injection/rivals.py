@@ -239,6 +239,31 @@ class ShapeTooLarge(Drill):
         r.checks["same_worker_no_restart"] = stack.info()["worker"]["pid"] == r.details.get("worker_pid_before")
 
 
+def start_arrivals(drill: Drill, stack: LocalStack, r: DrillResult) -> None:
+    """Users arriving at the drill block's ``traffic.arrivals`` rate (open loop) from now until the restore."""
+    arrivals = drill.spec.traffic["arrivals"]
+    body = {"prompt": "a paper lantern", "size": str(arrivals["size"])}
+    r.details["_arrivals"] = Arrivals(stack.service_url, body, float(arrivals["per_second"])).start()
+    r.notes.append(f"{arrivals['per_second']} requests/s of {arrivals['size']} arriving (open loop)")
+
+
+def stop_arrivals(r: DrillResult) -> None:
+    arrivals = r.details.get("_arrivals")
+    if arrivals is not None:
+        arrivals.stop()
+
+
+def judge_arrivals(drill: Drill, r: DrillResult) -> None:
+    """Each arrival answered, with a code the drill's fault allows (``baseline_accepts``); none lost."""
+    arrivals = r.details.pop("_arrivals", None)
+    if arrivals is None:
+        return
+    r.checks["arrivals_all_answered"] = arrivals.wait_answered(RECOVER_DEADLINE_S)
+    r.details["arrival_codes"] = {str(k): v for k, v in sorted(arrivals.codes.items())}
+    answered = set(arrivals.codes)
+    r.checks["arrivals_answered_as_expected"] = bool(answered) and answered <= drill.baseline_accepts
+
+
 class WorkerKilled(Drill):
     name = "worker-killed"
     doc_id = "worker_killed"
@@ -249,6 +274,14 @@ class WorkerKilled(Drill):
                    "fail, the service restarts the worker, and the error ratio passes its threshold.")
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        """Users keep arriving (the drill block's ``traffic.arrivals``), then the worker dies.
+
+        Without the arrivals the drill's two closed-loop clients decide it by chance: when the probe's request
+        is the one in flight, both clients wait in the queue through the restart (26 s) and get 200, nobody
+        sends during it, and no error is counted (`drill all`, 2026-12-06); when a client's is, that client gets
+        a 503 and retries into "not ready" until the new worker is up (97% errors, run 12).  Users who keep
+        arriving get the 503s a restart costs, whatever was in flight."""
+        start_arrivals(self, stack, r)
         kills = int(self.spec.inject["kill_worker"].get("times", 1))
         pids = []
         for k in range(kills):
@@ -286,12 +319,14 @@ class WorkerKilled(Drill):
             time.sleep(1)
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
-        """The service restarts its worker itself; the check after is that it serves again."""
+        """No more arrivals; the service restarts its worker itself (the check after: it serves again)."""
+        stop_arrivals(r)
 
     def after(self, stack: LocalStack, r: DrillResult) -> None:
         self._wait_ready(stack, r.details.get("killed_pids", [0])[-1])
         status, _, _ = stack.generate(size="256x256")
         r.checks["serves_after_restart"] = status == 200
+        judge_arrivals(self, r)
 
 
 class PipelineErrors(KnobFault):
@@ -334,9 +369,12 @@ class CpuContention(Drill):
         w = _rate_window(self.th, stack)
         before, now = r.details.get("step_seconds_before"), _mean_step(stack, self.th)
         wait = stack.prom.value(queries.pipeline_cpu_wait(w))
-        r.details.update(step_seconds_during=now, cpu_wait_during=wait)
+        starved = stack.prom.value(queries.pipeline_cpu_starved(w))
+        r.details.update(step_seconds_during=now, cpu_wait_during=wait, cpu_wait_per_run_second=starved)
         r.checks["steps_slower"] = bool(before and now and now > before)
-        r.checks["waits_for_a_cpu"] = wait is not None and wait > float(self.th.diagnosis["cpu_wait"])
+        # As the step-time runbook asks it (its check 9): waits per second run, not the waits alone (0.376 s/s
+        # against the old 0.4 line in `drill all` of 2026-12-06, while triage rightly said cpu_contention).
+        r.checks["waits_for_a_cpu"] = starved is not None and starved > float(self.th.diagnosis["cpu_starved"])
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
         stop_neighbours(r)
@@ -451,11 +489,8 @@ class WorkerFreezeBacklog(WorkerFreeze):
                    "usually before the stall alert's floor; triage of the queue alert must name the hung worker.")
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
-        arrivals = self.spec.traffic["arrivals"]
-        body = {"prompt": "a paper lantern", "size": str(arrivals["size"])}
-        r.details["_arrivals"] = Arrivals(stack.service_url, body, float(arrivals["per_second"])).start()
+        start_arrivals(self, stack, r)
         super().inject(stack, r)
-        r.notes.append(f"{arrivals['per_second']} requests/s of {arrivals['size']} arriving (open loop)")
 
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
         """The queue grew (not WorkerFreeze's /readyz check: the queue alert may fire before the stall limit)."""
@@ -463,22 +498,14 @@ class WorkerFreezeBacklog(WorkerFreeze):
         r.checks["queue_grew"] = max(r.details["queue_depth"].values(), default=0) > 0
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
-        arrivals = r.details.get("_arrivals")
-        if arrivals is not None:
-            arrivals.stop()
+        stop_arrivals(r)
         super().restore(stack, r)
 
     def after(self, stack: LocalStack, r: DrillResult) -> None:
         """The frozen worker's checks, then the arrivals' answers: each one 200, or what a hung worker makes of
         it (429 past the queue's limit, 503/504 around its restart); none lost."""
         super().after(stack, r)
-        arrivals = r.details.pop("_arrivals", None)
-        if arrivals is None:
-            return
-        r.checks["arrivals_all_answered"] = arrivals.wait_answered(RECOVER_DEADLINE_S)
-        r.details["arrival_codes"] = {str(k): v for k, v in sorted(arrivals.codes.items())}
-        answered = set(arrivals.codes)
-        r.checks["arrivals_answered_as_expected"] = bool(answered) and answered <= self.baseline_accepts
+        judge_arrivals(self, r)
 
 
 # GpuThrottle last: its throttle stays in the runbooks' lookback (diagnosis.throttle_lookback) for the
