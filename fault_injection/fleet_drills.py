@@ -39,6 +39,7 @@ from stepwatch.exporter.sidecar.practice_gpus import write_state
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.drills import Drill, DrillResult, start_neighbours, stop_neighbours
 from stepwatch.fault_injection.fleet import REPLICA_SERVICE
+from stepwatch.fault_injection.rivals import gpu_throttle
 from stepwatch.fault_injection.stack import Traffic, starts_at
 from stepwatch.promapi import Alertmanager, Prometheus
 
@@ -347,8 +348,7 @@ class ReplicaGpuThrottle(SlowReplica):
                    "it alone, and triage must blame the clock (gpu_throttling), not the instance.")
 
     def inject(self, stack: Any, r: DrillResult) -> None:
-        replica, gpu = self.slowed(stack), self.spec.inject["gpu_throttle"]
-        reason, clock = str(gpu.get("reason", "sw_thermal_slowdown")), float(gpu.get("sm_clock_mhz", 1110))
+        replica, (reason, clock) = self.slowed(stack), gpu_throttle(self)
         delay = float(self.spec.inject["step_delay_seconds"])
         write_state(replica.gpus, 1, {0: [reason]}, {0: clock})
         stack.replica_knobs(self.target, rank_delay_seconds={"0": delay})

@@ -429,6 +429,13 @@ class HostDown(Drill):
         r.checks["serves_after_restart"] = stack.generate(size="256x256")[0] == 200
 
 
+def gpu_throttle(drill: Drill) -> tuple[str, float]:
+    """The drill block's ``inject.gpu_throttle``: the throttle reason NVML reports and the lowered SM clock (MHz);
+    the one-instance and the fleet's throttle drills read it alike."""
+    gpu = drill.spec.inject["gpu_throttle"]
+    return str(gpu.get("reason", "sw_thermal_slowdown")), float(gpu.get("sm_clock_mhz", 1110))
+
+
 class GpuThrottle(Straggler):
     """Rank 1's GPU reports a thermal slowdown: the same late rank as the straggler drill, another cause."""
 
@@ -440,10 +447,9 @@ class GpuThrottle(Straggler):
                    "the rank-skew alert names rank 1, and triage must blame the clock, not another process.")
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
-        gpu = self.spec.inject["gpu_throttle"]
-        index, reason = int(gpu["gpu"]), str(gpu.get("reason", "sw_thermal_slowdown"))
-        write_state(stack.practice_gpus, stack.ranks, {index: [reason]}, {index: float(gpu.get("sm_clock_mhz", 1110))})
-        r.notes.append(f"stand-in GPU {index}: {reason} at {gpu.get('sm_clock_mhz', 1110)} MHz")
+        index, (reason, clock) = int(self.spec.inject["gpu_throttle"]["gpu"]), gpu_throttle(self)
+        write_state(stack.practice_gpus, stack.ranks, {index: [reason]}, {index: clock})
+        r.notes.append(f"stand-in GPU {index}: {reason} at {clock:g} MHz")
         super().inject(stack, r)
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
