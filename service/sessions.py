@@ -147,8 +147,10 @@ class SessionManager:
         if sess is None:
             return
         if msg["op"] == "session_started":
+            # fps: what the player plays the frames at, so a viewer can tell a late chunk from a slow stream
             sess.put("session", sse("session", {"id": msg["id"], "chunks": msg["chunks"],
-                                                "frames_per_chunk": msg["frames_per_chunk"]}))
+                                                "frames_per_chunk": msg["frames_per_chunk"],
+                                                "fps": self.cfg.stream.fps}))
             return
         frames = [base64.b64encode(f).decode("ascii") for f in msg["frames"]]
         sess.put("chunk", sse("chunk", {"index": msg["index"], "frames": frames,

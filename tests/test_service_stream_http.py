@@ -28,6 +28,7 @@ class Seen:
 
     status: int = 0
     id: str = ""
+    fps: int | None = None
     first_frames_s: float | None = None
     chunks: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] = field(default_factory=dict)
@@ -47,7 +48,7 @@ def run_session(client: httpx.Client, url: str, body: dict[str, Any], seen: Seen
             return
         for kind, data in parse_sse(r.iter_lines()):
             if kind == "session":
-                seen.id = data["id"]
+                seen.id, seen.fps = data["id"], data.get("fps")
                 if started is not None:
                     started.set()
             elif kind == "chunk":
@@ -99,6 +100,7 @@ def _first_chunk_matches_the_client(svc: ServiceProc, client: httpx.Client, befo
     run_session(client, svc.url, {"prompt": "a lighthouse at dusk", "size": "128x128", "chunks": 4}, seen)
     assert seen.status == 200 and seen.end["outcome"] == "done", seen
     assert [c["frames"] for c in seen.chunks] == [1, 8, 8, 8]
+    assert seen.fps == 16  # the config's stream.fps: what the player plays the frames at
     after = stream_counts(svc)
     assert after["first_n"] - before["first_n"] == 1
     served = after["first_sum"] - before["first_sum"]
