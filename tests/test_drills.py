@@ -404,3 +404,19 @@ def test_arrivals_keep_coming_while_the_service_holds_them() -> None:
     finally:
         release.set()
         server.shutdown()
+
+
+def test_a_viewer_reads_each_chunks_realtime_factor_from_the_session_event() -> None:
+    """Chunk 0 carries the call's start and has no factor; the others are seconds over frames / fps, as the stall
+    alert reads them, whatever fps the service plays at."""
+    from stepwatch.fault_injection.stream_drills import _take
+
+    seen = {"chunks": 0, "first_frames_s": None, "chunk_seconds": [], "realtime_factors": []}
+    _take(seen, "session", {"id": "s", "chunks": 3, "frames_per_chunk": [1, 8, 8], "fps": 8}, 0.0)
+    for index, seconds in ((0, 2.0), (1, 0.5), (2, 1.5)):
+        _take(seen, "chunk", {"index": index, "seconds": seconds}, 0.0)
+    assert seen["chunk_seconds"] == [2.0, 0.5, 1.5]
+    assert seen["realtime_factors"] == [0.5, 1.5]
+    no_fps = {**seen, "fps": None, "realtime_factors": []}
+    _take(no_fps, "chunk", {"index": 2, "seconds": 1.5}, 0.0)
+    assert no_fps["realtime_factors"] == []  # an older service: no factor rather than a wrong one
