@@ -411,7 +411,7 @@ def test_a_viewer_reads_each_chunks_realtime_factor_from_the_session_event() -> 
     alert reads them, whatever fps the service plays at."""
     from stepwatch.fault_injection.stream_drills import _take
 
-    seen = {"chunks": 0, "first_frames_s": None, "chunk_seconds": [], "realtime_factors": []}
+    seen: dict[str, object] = {"chunks": 0, "first_frames_s": None, "chunk_seconds": [], "realtime_factors": []}
     _take(seen, "session", {"id": "s", "chunks": 3, "frames_per_chunk": [1, 8, 8], "fps": 8}, 0.0)
     for index, seconds in ((0, 2.0), (1, 0.5), (2, 1.5)):
         _take(seen, "chunk", {"index": index, "seconds": seconds}, 0.0)
