@@ -365,6 +365,9 @@ class ReplicaConfigDrift(FleetDrill):
     name = "replica-config-drift"
     doc_id = "replica_config_drift"
     reads_quality = True
+    # In place once the replica serves on its new file: the rollout (drain, restart, warm-up) took 32-35 s here and
+    # 45 s on a CI host, and nothing of the drift can show before it ends (runbooks/drills.md's criterion).
+    in_place_when_injected = True
     description = ("One replica rolled out on a config file of its own with a higher cache threshold (no knob, "
                    "fingerprint unchanged): its probe PSNR falls below the gate, the others' do not; "
                    "StepwatchQualityDrop names it alone, triage says bad_instance.")
