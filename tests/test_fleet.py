@@ -181,20 +181,21 @@ def _each_replica_on_its_own_address(fleet: Any) -> None:
 
 @pytest.mark.heavy
 def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
-    """Eight of the ten fleet drills on the running fleet: each detected within the goal, delivered, triaged
+    """Seven of the ten fleet drills on the running fleet: each detected within the goal, delivered, triaged
     right, nothing else critical, resolved; their own checks hold (routed around, exactly one notification, no
     sample of the outage lost, only the crowded instance named, only the drifted replica's quality dropped and
-    the rollout's drain cost no request, the capacity alert before the queue-wait alert)."""
+    the rollout's drain cost no request, a lost node told from a lost agent)."""
     from stepwatch.alerts.thresholds import load
     from stepwatch.fault_injection.fleet_drills import FLEET_DRILLS, run_fleet_drills
     from stepwatch.triage.drill_hook import triage_for_drill
 
     th = load()
-    # rolling-update and replica-gpu-throttle run by name and as recordings (runs 28-29, 30-31; 2026-12-05 here:
-    # all nine before the throttle passed in 739 s): the rollout is replica-config-drift's, the slowed replica
-    # bad-instance's (the throttle check's own address: _each_replica_on_its_own_address), and the suite keeps to
-    # its 45 minutes.
-    live = [d for d in FLEET_DRILLS if d.name not in ("rolling-update", "replica-gpu-throttle")]
+    # By name and from their recordings, not here (the suite keeps to its 45 minutes; CI's stop-32 run took 56):
+    # rolling-update (runs 28-29; its rollout is replica-config-drift's), replica-gpu-throttle (runs 30-31; its
+    # slowed replica is bad-instance's, its check's own address _each_replica_on_its_own_address) and pool-short
+    # (146 s in the drill-all of 2026-12-06; its capacity and queue-wait alerts are promtool's cases, its triage a
+    # recording's).
+    live = [d for d in FLEET_DRILLS if d.name not in ("rolling-update", "replica-gpu-throttle", "pool-short")]
     results = run_fleet_drills(fleet, [d(th) for d in live], triage=triage_for_drill)
     for r in results:
         assert r.passed, (r.name, r.failures, r.checks, r.notes)
@@ -215,10 +216,6 @@ def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
     assert psnr["replica-1"] < gate - th.quality.alert_margin_db < gate <= psnr["replica-0"] and \
         psnr["replica-2"] >= gate, psnr
     assert drift.details["baseline_traffic_codes"] == {"200": drift.details["baseline_traffic_codes"]["200"]}
-    short = by["pool-short"]
-    assert short.triage_cause == "under_provisioned" and short.checks["capacity_before_queue_wait"]
-    assert short.details["queue_wait_after_s"] > short.time_to_detect_s
-    assert short.checks["one_incident_for_the_pool"] and short.details["queue_alerts_in_the_pool_incident"] >= 1
     lost, agent = by["node-lost"], by["agent-lost"]  # one alert, two causes: the balancer's view tells them apart
     assert lost.triage_cause == "node_down" and lost.checks["routed_around"] and lost.details["target_down_pods"] == []
     assert agent.triage_cause == "agent_down" and agent.checks["replicas_still_serve"]
