@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -153,6 +154,14 @@ def _handler(renderer: Renderer) -> type[BaseHTTPRequestHandler]:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A scraper that hung up before its answer was written (its scrape timeout on a loaded host, or its
+        own shutdown) is not an error of ours: no traceback in the service's log for it."""
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            log.debug("a scraper at %s hung up before its answer", client_address)
+            return
+        super().handle_error(request, client_address)
 
 
 class _Server6(_Server):

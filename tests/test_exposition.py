@@ -129,6 +129,23 @@ def test_a_broken_collector_gets_a_500_and_the_server_keeps_serving(served: tupl
     assert httpx.get(f"{url}/metrics", timeout=5).status_code == 200
 
 
+def test_a_scraper_that_hung_up_leaves_no_traceback_and_other_errors_still_do(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A scrape timed out on a loaded host wrote BrokenPipe tracebacks into the service's log (CI, 2026-12-06)."""
+    server = serve_metrics(0, "127.0.0.1", CollectorRegistry())[0]
+    try:
+        for error in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "reset"), RuntimeError("ours")):
+            try:
+                raise error
+            except Exception:
+                server.handle_error(None, ("127.0.0.1", 1))
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert "RuntimeError: ours" in err and "Broken pipe" not in err and "reset" not in err, err
+
+
 def test_serves_on_ipv6_loopback_too() -> None:
     import socket
 
