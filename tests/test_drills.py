@@ -309,11 +309,13 @@ def test_seed_and_frozen_worker_drills_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.heavy
-def test_straggler_and_stall_drills(tmp_path: Path) -> None:
-    """The admin-knob straggler and the frozen rank on one two-rank stack.  The CPU-crowded rank
-    (straggler-neighbour, 111 s) runs by name and from its recordings: its neighbours beside rank 1 are the
-    two-rank soak's (test_service_ranks), which asserts the rank timing charges the crowded rank."""
-    names = ("straggler", "worker-stall")
+def test_collective_stall_drill(tmp_path: Path) -> None:
+    """The frozen rank on a two-rank stack: the other rank waits in a collective, the stall alert fires and
+    triage names the hang, not the starved CPU (its triage once said cpu_contention here).  The stragglers run
+    by name and from their recordings (straggler 111 s, straggler-neighbour 111 s in the drill-all of
+    2026-12-06): the delayed rank's panels are test_dashboards' live rank test, the crowded rank's timing
+    the two-rank soak's (test_service_ranks), their alert promtool's cases."""
+    names = ("worker-stall",)
     rc, summary, log = _run_drills(list(names), tmp_path)
     assert rc == 0, log
     _check(summary, names, tmp_path)

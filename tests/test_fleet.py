@@ -181,21 +181,23 @@ def _each_replica_on_its_own_address(fleet: Any) -> None:
 
 @pytest.mark.heavy
 def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
-    """Seven of the ten fleet drills on the running fleet: each detected within the goal, delivered, triaged
-    right, nothing else critical, resolved; their own checks hold (routed around, exactly one notification, no
-    sample of the outage lost, only the crowded instance named, only the drifted replica's quality dropped and
-    the rollout's drain cost no request, a lost node told from a lost agent)."""
+    """Four of the ten fleet drills on the running fleet: each detected within the goal, delivered, triaged
+    right, nothing else critical, resolved; their own checks hold (routed around, a lost node's series gone
+    with no `up 0`, only the crowded instance named, only the drifted replica's quality dropped and the
+    rollout's drain cost no request)."""
     from stepwatch.alerts.thresholds import load
     from stepwatch.fault_injection.fleet_drills import FLEET_DRILLS, run_fleet_drills
     from stepwatch.triage.drill_hook import triage_for_drill
 
     th = load()
-    # By name and from their recordings, not here (the suite keeps to its 45 minutes; CI's stop-32 run took 56):
+    # By name and from their recordings, not here: the suite keeps to its 45 minutes (stop 32's CI took 56, and
+    # 49.7 on this host with seven fleet drills). Each of these proves a part the others here do not use:
     # rolling-update (runs 28-29; its rollout is replica-config-drift's), replica-gpu-throttle (runs 30-31; its
-    # slowed replica is bad-instance's, its check's own address _each_replica_on_its_own_address) and pool-short
-    # (146 s in the drill-all of 2026-12-06; its capacity and queue-wait alerts are promtool's cases, its triage a
-    # recording's).
-    live = [d for d in FLEET_DRILLS if d.name not in ("rolling-update", "replica-gpu-throttle", "pool-short")]
+    # slowed replica is bad-instance's, its check's own address _each_replica_on_its_own_address), pool-short
+    # (146 s in the drill-all of 2026-12-06; its two alerts are promtool's cases), and the stores' own
+    # behaviour under our configs: agent-lost (36 s; NodeSilent is node-lost's), alertmanager-peer-lost (54 s:
+    # the gossip pair's one notification) and central-store-outage (100 s: the agents' replay).
+    live = [d for d in FLEET_DRILLS if d.name in ("replica-lost", "node-lost", "bad-instance", "replica-config-drift")]
     results = run_fleet_drills(fleet, [d(th) for d in live], triage=triage_for_drill)
     for r in results:
         assert r.passed, (r.name, r.failures, r.checks, r.notes)
@@ -203,9 +205,6 @@ def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
     by = {r.name: r for r in results}
     assert by["replica-lost"].triage_cause == "host_down" and by["replica-lost"].checks["routed_around"]
     assert by["replica-lost"].expected_labels["pod"] == "replica-1"
-    assert by["alertmanager-peer-lost"].details["notifications"] == 1
-    assert by["central-store-outage"].details["outage_samples_min"] >= by["central-store-outage"].details[
-        "outage_samples_expected"] - 1
     bad = by["bad-instance"]
     assert bad.triage_cause == "bad_instance" and bad.details["slow_instances"] == [bad.details["crowded_instance"]]
     assert fleet.probing  # turned on for replica-config-drift, after the load test (a probe is a request too)
@@ -216,7 +215,6 @@ def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
     assert psnr["replica-1"] < gate - th.quality.alert_margin_db < gate <= psnr["replica-0"] and \
         psnr["replica-2"] >= gate, psnr
     assert drift.details["baseline_traffic_codes"] == {"200": drift.details["baseline_traffic_codes"]["200"]}
-    lost, agent = by["node-lost"], by["agent-lost"]  # one alert, two causes: the balancer's view tells them apart
+    lost = by["node-lost"]  # its rival, agent-lost, is told apart by the balancer's view (its recordings)
     assert lost.triage_cause == "node_down" and lost.checks["routed_around"] and lost.details["target_down_pods"] == []
-    assert agent.triage_cause == "agent_down" and agent.checks["replicas_still_serve"]
-    assert lost.expected_labels["node"] == agent.expected_labels["node"] == "node-1"
+    assert lost.expected_labels["node"] == "node-1"
