@@ -479,6 +479,11 @@ class WorkerFreeze(WorkerStall):
         r.checks["readyz_503_while_stalled"] = code == 503
 
 
+# How long the backlog drill waits for /readyz to turn 503 after its alert: past the drill profile's stall floor
+# (20 s from the freeze) with room for a loaded host; the restart at twice the limit keeps it 503 as well.
+READYZ_RED_WITHIN_S = 30.0
+
+
 class WorkerFreezeBacklog(WorkerFreeze):
     """The frozen one-rank worker again, with users still arriving: the queue alert is the one in hand.
 
@@ -499,9 +504,18 @@ class WorkerFreezeBacklog(WorkerFreeze):
         super().inject(stack, r)
 
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
-        """The queue grew (not WorkerFreeze's /readyz check: the queue alert may fire before the stall limit)."""
+        """The queue grew; then the freeze lasts until /readyz says 503, as it must for a frozen worker.  The
+        queue alert may fire before the stall limit (16.2 s after the freeze on a clean clone, 2026-12-06): the
+        restore then came first and the drill failed health_red_during with nothing wrong."""
         r.details["queue_depth"] = {s.label("pool"): s.value for s in stack.prom.query(queries.queue_depth_by_pool())}
         r.checks["queue_grew"] = max(r.details["queue_depth"].values(), default=0) > 0
+        deadline = time.time() + READYZ_RED_WITHIN_S
+        code, _ = _http_json(stack.service_url + "/readyz")
+        while code != 503 and time.time() < deadline:
+            time.sleep(0.5)
+            code, _ = _http_json(stack.service_url + "/readyz")
+        r.details["readyz_503_after_s"] = round(time.time() - r.injected_at, 1) if code == 503 else None
+        r.checks["readyz_503_while_stalled"] = code == 503
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
         stop_arrivals(r)
