@@ -475,8 +475,19 @@ class WorkerFreeze(WorkerStall):
         r.notes.append(f"worker (pid {pid}) frozen with SIGSTOP")
 
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        _readyz_turns_503(stack, r, within_s=0.0)  # its own alert is the stall: /readyz is 503 already
+
+
+def _readyz_turns_503(stack: LocalStack, r: DrillResult, within_s: float) -> None:
+    """/readyz answers 503 within ``within_s`` (0: now), as it must while the worker is frozen."""
+    deadline = time.time() + within_s
+    while True:
         code, _ = _http_json(stack.service_url + "/readyz")
-        r.checks["readyz_503_while_stalled"] = code == 503
+        if code == 503 or time.time() >= deadline:
+            break
+        time.sleep(0.5)
+    r.details["readyz_503_after_s"] = round(time.time() - r.injected_at, 1) if code == 503 else None
+    r.checks["readyz_503_while_stalled"] = code == 503
 
 
 # How long the backlog drill waits for /readyz to turn 503 after its alert: past the drill profile's stall floor
@@ -509,13 +520,7 @@ class WorkerFreezeBacklog(WorkerFreeze):
         restore then came first and the drill failed health_red_during with nothing wrong."""
         r.details["queue_depth"] = {s.label("pool"): s.value for s in stack.prom.query(queries.queue_depth_by_pool())}
         r.checks["queue_grew"] = max(r.details["queue_depth"].values(), default=0) > 0
-        deadline = time.time() + READYZ_RED_WITHIN_S
-        code, _ = _http_json(stack.service_url + "/readyz")
-        while code != 503 and time.time() < deadline:
-            time.sleep(0.5)
-            code, _ = _http_json(stack.service_url + "/readyz")
-        r.details["readyz_503_after_s"] = round(time.time() - r.injected_at, 1) if code == 503 else None
-        r.checks["readyz_503_while_stalled"] = code == 503
+        _readyz_turns_503(stack, r, within_s=READYZ_RED_WITHIN_S)
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
         stop_arrivals(r)
