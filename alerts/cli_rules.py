@@ -1,4 +1,4 @@
-"""``stepwatch rules generate``: write every file that follows from alerts/thresholds.yaml, or check them.
+"""``stepwatch rules generate``: write every file that follows from stepwatch/thresholds.yaml, or check them.
 
 The files and how they are made: alerts/generate.py.  --check writes nothing and exits 1
 naming every file that differs; a bad thresholds file exits 2 with the key at fault.
@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 from stepwatch.alerts.generate import default_root, stale_files, write_all
-from stepwatch.alerts.thresholds import ThresholdsError, load
+from stepwatch.thresholds import ThresholdsError, load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 and name the files that differ from the generator")
-    parser.add_argument("--thresholds", help="thresholds YAML (default: the packaged alerts/thresholds.yaml)")
+    parser.add_argument("--thresholds", help="thresholds YAML (default: the packaged stepwatch/thresholds.yaml)")
     parser.add_argument("--root", help="directory holding alerts/ and runbooks/ (default: where stepwatch is)")
 
 

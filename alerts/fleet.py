@@ -25,7 +25,7 @@ from typing import Any
 
 from stepwatch.alerts.rulegen import dump, header
 from stepwatch.alerts.stack import _target, alertmanager_binary, rule_file
-from stepwatch.alerts.thresholds import PROFILES, Thresholds, agent_job, load
+from stepwatch.thresholds import PROFILES, Thresholds, agent_job, load
 
 EVALUATOR_LABEL = "evaluator"
 NODE_LABEL = "node"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from stepwatch.catalog import METRICS
 
 if TYPE_CHECKING:
-    from stepwatch.alerts.thresholds import AlertSpec, Thresholds
+    from stepwatch.thresholds import AlertSpec, Thresholds
 
 STEP_TIME = "stepwatch_pipeline_step_duration_seconds"
 CACHE_DECISIONS = "stepwatch_cache_decisions_total"
@@ -127,7 +127,7 @@ def agg(op: str, selector: str, by: str = "") -> str:
 
 def text_values(th: Thresholds, spec: AlertSpec, profile: str) -> dict[str, str]:
     """Values of the ${...} placeholders in an alert's summary and description."""
-    from stepwatch.alerts.thresholds import capacity_headroom  # thresholds imports this module
+    from stepwatch.thresholds import capacity_headroom  # thresholds imports this module
 
     return {
         "threshold": num(spec.threshold),

@@ -25,7 +25,7 @@ from stepwatch.alerts.rulegen import (
     header,
     windows,
 )
-from stepwatch.alerts.thresholds import Thresholds, capacity_headroom, parse_duration
+from stepwatch.thresholds import Thresholds, capacity_headroom, parse_duration
 
 __all__ = ["Case", "Expect", "Series", "cases", "test_file"]
 

@@ -9,7 +9,7 @@ loopback ports, each with its own data directory::
     subprocess.Popen(stack.prometheus_argv("prom.yml", "prom-data", "127.0.0.1:9090"))
     subprocess.Popen(stack.alertmanager_argv("am.yml", "am-data", "127.0.0.1:9093"))
 
-Timings come from the profile in alerts/thresholds.yaml (scrape/evaluation intervals,
+Timings come from the profile in stepwatch/thresholds.yaml (scrape/evaluation intervals,
 Alertmanager group_wait/group_interval/repeat_interval).
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from stepwatch.alerts.rulegen import dump, header
-from stepwatch.alerts.thresholds import PROFILES, Thresholds, load
+from stepwatch.thresholds import PROFILES, Thresholds, load
 
 SERVICE_JOB = "stepwatch-service"
 SIDECAR_JOB = "stepwatch-sidecar"

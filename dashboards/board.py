@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stepwatch.alerts.promql import firing, summary
-from stepwatch.alerts.thresholds import ALERT_PREFIX, Thresholds
 from stepwatch.dashboards.model import DATASOURCE_UID, DATASOURCE_VAR
+from stepwatch.thresholds import ALERT_PREFIX, Thresholds
 
 # Filters every stepwatch query carries; each names a template variable of the board.
 F_INSTANCE = 'instance=~"$instance"'

@@ -11,9 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from stepwatch.alerts.thresholds import load
 from stepwatch.dashboards.generate import lint_problems, render, stale, write
 from stepwatch.dashboards.model import package_dir
+from stepwatch.thresholds import load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

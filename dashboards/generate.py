@@ -2,7 +2,7 @@
 
 Built with grafana-foundation-sdk (``dashboards/board.py``); the boards themselves live in
 their own modules (``dashboards/overview.py``).  Every threshold line, band and runbook link
-comes from alerts/thresholds.yaml (``stepwatch.alerts.thresholds.load()``), every alert's "open
+comes from stepwatch/thresholds.yaml (``stepwatch.thresholds.load()``), every alert's "open
 this panel first" title is a panel here, and every query passes the lint in
 ``stepwatch.dashboards.lint``.  Output is deterministic (fixed uids and ids, sorted keys, no
 timestamps), so CI can run ``stepwatch dashboards generate --check``.
@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from stepwatch.alerts.thresholds import Thresholds, load
 from stepwatch.dashboards.lint import lint
 from stepwatch.dashboards.overview import OVERVIEW_UID, overview
+from stepwatch.thresholds import Thresholds, load
 
 __all__ = ["BOARDS", "OVERVIEW_FILE", "OVERVIEW_UID", "dashboards", "lint_problems", "render", "stale", "write"]
 

@@ -28,7 +28,6 @@ from typing import Any
 from stepwatch import catalog
 from stepwatch.alerts.promql import FOREIGN_SERIES
 from stepwatch.alerts.rulegen import recorded_names
-from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.dashboards.model import (
     DATASOURCE_UID,
     DATASOURCE_VAR,
@@ -38,6 +37,7 @@ from stepwatch.dashboards.model import (
     used_variables,
     variables,
 )
+from stepwatch.thresholds import Thresholds
 
 BUILTINS = {"up", "ALERTS", "ALERTS_FOR_STATE"}
 GRAFANA_VARS = {"__rate_interval", "__interval", "__range"}

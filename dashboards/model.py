@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stepwatch.alerts.thresholds import Thresholds
+from stepwatch.thresholds import Thresholds
 
 DATASOURCE_VAR = "datasource"
 DATASOURCE_UID = "${" + DATASOURCE_VAR + "}"

@@ -1,10 +1,10 @@
 """The on-call overview board: the "Alerts" row, then one function per row, grouped by subsystem.
 
-``ROWS`` maps each subsystem of ``stepwatch.alerts.thresholds.SUBSYSTEMS`` to its row functions,
+``ROWS`` maps each subsystem of ``stepwatch.thresholds.SUBSYSTEMS`` to its row functions,
 and ``overview()`` lays them out in that order, so the board reads as the alerts are grouped
 (what users see, the pipeline behind it, the output, the monitoring itself).  Adding a panel for
 a new alert means adding it to its subsystem's row function: first in the row when it is the
-alert's "open this panel first" (its ``panel:`` in alerts/thresholds.yaml).
+alert's "open this panel first" (its ``panel:`` in stepwatch/thresholds.yaml).
 
 Every query is built from the PromQL vocabulary of ``stepwatch.alerts.promql``; every number in a
 line, band or title comes from the thresholds source, never a literal here.
@@ -17,7 +17,6 @@ from typing import Any
 
 from prometheus_client.utils import floatToGoString
 
-from stepwatch.alerts.defs.service import stall_floor
 from stepwatch.alerts.promql import (
     above_bucket,
     cache_hit_ratio,
@@ -38,8 +37,8 @@ from stepwatch.alerts.promql import (
     sum_increase,
     sum_rate,
 )
-from stepwatch.alerts.thresholds import ALERT_PREFIX, SUBSYSTEMS, Thresholds, agent_job, capacity_headroom
 from stepwatch.dashboards.board import F_INSTANCE, F_POOL, F_SHAPE, GREEN, RED, Board, T
+from stepwatch.thresholds import ALERT_PREFIX, SUBSYSTEMS, Thresholds, agent_job, capacity_headroom, stall_floor
 
 OVERVIEW_UID = "stepwatch-overview"
 RATE = "$__rate_interval"

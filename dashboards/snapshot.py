@@ -26,8 +26,6 @@ from typing import Any
 import yaml
 
 from stepwatch.alerts.promql import firing
-from stepwatch.alerts.thresholds import Thresholds, parse_duration
-from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.dashboards.model import (
     FILTER_VARS,
     Query,
@@ -40,6 +38,8 @@ from stepwatch.dashboards.model import (
     queries,
 )
 from stepwatch.promapi import PromError, Prometheus
+from stepwatch.thresholds import Thresholds, parse_duration
+from stepwatch.thresholds import load as load_thresholds
 
 DEFAULT_DASHBOARD = "stepwatch-overview.json"
 MAX_POINTS = 400

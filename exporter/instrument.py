@@ -83,7 +83,7 @@ class InstrumentOptions:
     memory: MemoryProbe | None = None  # default: from the pipeline's device
     clock: Clock | None = None  # default: from the pipeline's device
     # The most steps a request without CFG may run and still be few-step (a distilled model's, whose cache must
-    # never hit); None: ``few_step.max_steps`` of the packaged alerts/thresholds.yaml.
+    # never hit); None: ``few_step.max_steps`` of the packaged stepwatch/thresholds.yaml.
     few_step_max_steps: int | None = None
     # Playback rate of a chunked video pipeline's frames, for the real-time factor (exporter/chunks.py).
     stream_fps: float = chunks.DEFAULT_FPS
@@ -119,7 +119,7 @@ def _versions() -> dict[str, str]:
 
 
 def _default_few_step() -> int:
-    from stepwatch.alerts.thresholds import load  # YAML only: no torch, no Prometheus
+    from stepwatch.thresholds import load  # YAML only: no torch, no Prometheus
 
     return load().few_step_max_steps
 

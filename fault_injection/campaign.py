@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
 from stepwatch.fault_injection.drills import DrillResult, Runner, Triage, calibrate_baselines
@@ -21,6 +20,7 @@ from stepwatch.fault_injection.recording import Recording, StackKey  # (ranks, c
 from stepwatch.fault_injection.registry import ALL_DRILLS, DRILLS, FLEET_DRILL_NAMES, RIVAL_DRILLS, SEED_DRILLS
 from stepwatch.fault_injection.report import write_report
 from stepwatch.fault_injection.stack import LocalStack, StackUrls
+from stepwatch.thresholds import Thresholds
 
 # Sequence parallelism on CPU: compile off (each rank would compile), warm-up of the traffic shapes only.
 MULTI_RANK_OVERRIDES: dict[str, Any] = {"compile": {"enabled": False}, "warmup": ["256x256", "512x512"]}

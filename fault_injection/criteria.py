@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from stepwatch.alerts.thresholds import ThresholdsError, parse_duration
 from stepwatch.runbooks.parse import runbooks_dir
+from stepwatch.thresholds import ThresholdsError, parse_duration
 
 _BLOCK = re.compile(r"^```drill-criteria[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 DURATIONS = ("goal", "seeds_bar", "detect_deadline", "resolve_deadline", "quiet_deadline", "leftover_deadline",

@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from stepwatch import httpclient
-from stepwatch.alerts.thresholds import Thresholds, parse_duration
-from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
@@ -40,6 +38,8 @@ from stepwatch.procs import die_with_parent_fn
 from stepwatch.promapi import PromError
 from stepwatch.runbooks.parse import Drill as DrillSpec
 from stepwatch.runbooks.parse import load_drills
+from stepwatch.thresholds import Thresholds, parse_duration
+from stepwatch.thresholds import load as load_thresholds
 from stepwatch.triage.engine import Alert
 from stepwatch.triage.in_hand import write_in_hand
 

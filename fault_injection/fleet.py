@@ -40,8 +40,6 @@ import yaml
 from stepwatch import httpclient
 from stepwatch.alerts import fleet as fcfg
 from stepwatch.alerts import stack as cfgs
-from stepwatch.alerts.thresholds import load as load_thresholds
-from stepwatch.alerts.thresholds import parse_duration
 from stepwatch.exporter.sidecar.capture import capture_baseline
 from stepwatch.exporter.sidecar.config import ProbeSet, default_probe_set
 from stepwatch.exporter.sidecar.practice_gpus import write_state
@@ -59,6 +57,8 @@ from stepwatch.fault_injection.stack import (
 )
 from stepwatch.promapi import Alertmanager, Prometheus
 from stepwatch.service.balancer import BALANCER_JOB, haproxy_argv, haproxy_config, in_flight, set_state
+from stepwatch.thresholds import load as load_thresholds
+from stepwatch.thresholds import parse_duration
 
 log = logging.getLogger("stepwatch.fleet")
 

@@ -9,8 +9,8 @@ and lists it in :func:`drill_queries`.
 from __future__ import annotations
 
 from stepwatch.alerts.promql import agg, cache_hit_ratio, mean_step_time, quantile, sel, sum_rate
-from stepwatch.alerts.thresholds import AGENT_JOB
-from stepwatch.alerts.thresholds import load as load_thresholds
+from stepwatch.thresholds import AGENT_JOB
+from stepwatch.thresholds import load as load_thresholds
 
 REQUEST_SECONDS_BUCKET = "stepwatch_service_request_duration_seconds_bucket"
 LATENCY_QUANTILES = {"p50": 0.5, "p99": 0.99}  # the off-menu drill: p99 rises while p50 stays flat

@@ -12,7 +12,7 @@ and with the baseline traffic still running, three controls that ask triage some
 
 then every drill, recorded as ``<drill>-<suffix>`` at the moment its alert fired, with what triage
 said live.  Each scenario names the runbook revision it was recorded against (a digest of
-runbooks/*.md and alerts/thresholds.yaml), so a case recorded before a runbook check changed
+runbooks/*.md and stepwatch/thresholds.yaml), so a case recorded before a runbook check changed
 because of it can be told from one recorded after.
 """
 
@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stepwatch.alerts.thresholds import load as load_thresholds
-from stepwatch.alerts.thresholds import parse_duration
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.runbooks.parse import runbooks_dir
+from stepwatch.thresholds import load as load_thresholds
+from stepwatch.thresholds import parse_duration
 from stepwatch.triage.record import record_scenario
 
 WINDOW_S = 420.0  # history per scenario: the steady baseline before a fault and the fault itself

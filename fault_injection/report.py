@@ -9,12 +9,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.dashboards.snapshot import render_panels
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
 from stepwatch.fault_injection.drills import DrillResult
 from stepwatch.fault_injection.stack import LocalStack
+from stepwatch.thresholds import Thresholds
 
 DASHBOARD = "stepwatch-overview.json"
 SNAPSHOT_BEFORE_S = 120.0  # a panel snapshot starts this long before the injection: the steady baseline

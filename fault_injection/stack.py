@@ -42,11 +42,11 @@ from starlette.routing import Route
 from stepwatch import httpclient
 from stepwatch.alerts import stack as cfgs
 from stepwatch.alerts.rulegen import rules_file
-from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.asgi import ThreadedServer
 from stepwatch.exporter.sidecar.capture import capture_baseline
 from stepwatch.exporter.sidecar.config import ProbeSet, default_probe_set, default_stream_probe_set
 from stepwatch.promapi import Alertmanager, Prometheus
+from stepwatch.thresholds import load as load_thresholds
 
 log = logging.getLogger("stepwatch.stack")
 

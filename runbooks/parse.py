@@ -39,8 +39,8 @@ from typing import Any, Literal
 
 import yaml
 
-from stepwatch.alerts.thresholds import Thresholds, anchor
-from stepwatch.alerts.thresholds import load as load_thresholds
+from stepwatch.thresholds import Thresholds, anchor
+from stepwatch.thresholds import load as load_thresholds
 
 # The shared cause vocabulary: what triage may name.  One line each, for people.
 CAUSES: dict[str, str] = {

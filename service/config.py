@@ -169,7 +169,7 @@ class ServiceConfig:
     baselines: str | None = None  # per-shape step time / hit-rate baselines published as gauges
     request_timeout_seconds: float = 600.0
     # The thresholds file whose alerts.worker_stalled sets the stall limit (/readyz, the worker restart), so
-    # the service and StepwatchWorkerStalled agree; default: the packaged alerts/thresholds.yaml.
+    # the service and StepwatchWorkerStalled agree; default: the packaged stepwatch/thresholds.yaml.
     thresholds: str | None = None
     # Which profile of that file: the alert rules the Prometheus watching this service runs (production, or
     # drill on the practice stack, whose floor is short enough for a drill to see a stall within a minute).
@@ -391,8 +391,7 @@ def _check_limits(cfg: ServiceConfig) -> None:
 
 def _check_thresholds(cfg: ServiceConfig) -> None:
     """The stall limit comes from the thresholds file: a bad file or profile fails at start-up, not mid-stall."""
-    from stepwatch.alerts.defs.service import stall_floor  # light: YAML only
-    from stepwatch.alerts.thresholds import PROFILES, ThresholdsError, load
+    from stepwatch.thresholds import PROFILES, ThresholdsError, load, stall_floor  # light: YAML only
 
     if cfg.thresholds is not None:
         _check_type(cfg.thresholds, str, "thresholds")

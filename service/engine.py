@@ -29,7 +29,6 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from stepwatch import httpclient
-from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.exposition import Renderer
 from stepwatch.metrics import MetricSet
 from stepwatch.service import api, knobs
@@ -41,6 +40,7 @@ from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Schedule
 from stepwatch.service.sessions import SessionManager
 from stepwatch.service.stall import Busy, InFlight, StallPolicy, restart_due, stalled_seconds
 from stepwatch.service.worker_client import WorkerClient, WorkerDied, exit_text
+from stepwatch.thresholds import load as load_thresholds
 
 log = logging.getLogger("stepwatch.service")
 

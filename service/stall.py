@@ -6,7 +6,7 @@ that another rank never enters, or spinning in a deadlock answers nothing: its o
 metrics may be gone with it, and ``/healthz`` used to answer 200 throughout.  So the
 HTTP process, which stays alive, measures it: seconds on the generation in flight
 against ``threshold`` x its prediction, never below ``min_seconds`` (both from
-``alerts.worker_stalled`` in alerts/thresholds.yaml, the alert's own numbers, of the
+``alerts.worker_stalled`` in stepwatch/thresholds.yaml, the alert's own numbers, of the
 profile the service is configured with).  Past
 that limit the worker is stalled (``/readyz`` 503, StepwatchWorkerStalled); past twice
 the limit the service restarts it, failing the request with a 504 that says so.
@@ -19,8 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stepwatch.alerts.defs.service import stall_floor
-from stepwatch.alerts.thresholds import Thresholds, load
+from stepwatch.thresholds import Thresholds, load, stall_floor
 
 
 @dataclass(frozen=True)

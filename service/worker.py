@@ -189,7 +189,7 @@ class Worker:
         self._weights += "+" + weights_digest(self.sessions.slots[0].pipe)  # every slot holds the same weights
 
     def _few_step_max(self) -> int:
-        from stepwatch.alerts.thresholds import load
+        from stepwatch.thresholds import load
 
         return load(self.cfg.thresholds).few_step_max_steps
 

@@ -1,6 +1,6 @@
 """Adding a signal is a four-file change; when one piece is missing, this test names it.
 
-Every alert in alerts/thresholds.yaml needs: its AlertDef in alerts/defs/<subsystem>.py
+Every alert in stepwatch/thresholds.yaml needs: its AlertDef in alerts/defs/<subsystem>.py
 (with promtool cases that fire above the threshold, stay quiet below it, and stay quiet
 before ``for:`` elapses), its runbook under runbooks/, and its panel on the committed
 overview dashboard.  docs/adding-a-signal.md is the guide this test enforces.
@@ -19,8 +19,8 @@ import yaml
 
 from stepwatch.alerts import defs, rulegen
 from stepwatch.alerts.defs import AlertDef, Case, Expect, Series, Timing
-from stepwatch.alerts.thresholds import PROFILES, AlertSpec, Thresholds, ThresholdsError, load, parse
 from stepwatch.runbooks.parse import CAUSES
+from stepwatch.thresholds import PROFILES, AlertSpec, Thresholds, ThresholdsError, load, parse
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = "dashboards/stepwatch-overview.json"
@@ -102,7 +102,7 @@ def test_alert_definitions_match_the_thresholds() -> None:
 
 @pytest.fixture()
 def raw() -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "alerts/thresholds.yaml").read_text())
+    return yaml.safe_load((ROOT / "stepwatch/thresholds.yaml").read_text())
 
 
 def _with_fake(raw: dict[str, Any], subsystem: str = "service") -> Thresholds:

@@ -18,8 +18,8 @@ import yaml
 
 from stepwatch import httpclient
 from stepwatch.alerts import cli_rules, generate, gotemplate, promql, promtests, rulegen, stack
-from stepwatch.alerts.thresholds import SEVERITIES, ThresholdsError, load, parse
 from stepwatch.catalog import MEMORY_RATIO_BUCKETS, series_names
+from stepwatch.thresholds import SEVERITIES, ThresholdsError, load, parse
 from tests.conftest import need_tool
 from tests.servicefixture import free_port
 
@@ -37,7 +37,7 @@ def th() -> Any:
 
 @pytest.fixture()
 def raw() -> dict[str, Any]:
-    return yaml.safe_load((ALERTS / "thresholds.yaml").read_text())
+    return yaml.safe_load((ROOT / "stepwatch" / "thresholds.yaml").read_text())
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -277,7 +277,7 @@ def test_thresholds_come_from_the_source_and_baselines_from_gauges(th: Any) -> N
     assert 'stepwatch_memory_peak_ratio_bucket{le="0.9"}' in by["StepwatchMemoryPressure"]
     assert "stepwatch_quality_gate_decibels - 3" in by["StepwatchQualityDrop"]
     # With other thresholds, the rules follow.
-    data = yaml.safe_load((ALERTS / "thresholds.yaml").read_text())
+    data = yaml.safe_load((ROOT / "stepwatch" / "thresholds.yaml").read_text())
     data["alerts"]["rank_skew"]["threshold"] = 0.25
     data["alerts"]["memory_pressure"]["threshold"] = 0.95
     other = parse(data)

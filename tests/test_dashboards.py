@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from stepwatch.alerts import promql
-from stepwatch.alerts.thresholds import Thresholds, default_path, load, parse
 from stepwatch.dashboards import cli_dashboards, cli_snapshot, generate, lint, model, snapshot
+from stepwatch.thresholds import Thresholds, default_path, load, parse
 
 DASHBOARDS = Path(generate.__file__).resolve().parent
 
@@ -104,9 +104,9 @@ PANEL_ELSEWHERE = {"nonfinite_outputs": "quality",  # a service alert about the 
 
 
 def test_rows_follow_the_subsystems_and_hold_their_alerts_panels(th: Thresholds, overview: dict[str, Any]) -> None:
-    from stepwatch.alerts.thresholds import SUBSYSTEMS
     from stepwatch.dashboards.board import Board
     from stepwatch.dashboards.overview import ROWS
+    from stepwatch.thresholds import SUBSYSTEMS
 
     assert tuple(ROWS) == SUBSYSTEMS == ("service", "pipeline", "quality", "monitoring")
     titles: dict[str, set[str]] = {}

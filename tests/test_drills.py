@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from stepwatch.alerts.thresholds import load
 from stepwatch.fault_injection import recording
 from stepwatch.fault_injection.criteria import load as load_criteria
 from stepwatch.fault_injection.drills import DrillResult, Runner, _Watch
@@ -24,6 +23,7 @@ from stepwatch.fault_injection.report import render_markdown
 from stepwatch.fault_injection.stack import Notification, starts_at
 from stepwatch.promapi import Sample
 from stepwatch.runbooks.parse import CAUSES, load_drills, runbooks_dir
+from stepwatch.thresholds import load
 
 TH = load()
 GOAL_S = load_criteria().goal_s

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from stepwatch.alerts.thresholds import ThresholdsError, load, parse
 from stepwatch.exporter import instrument
 from stepwatch.exporter.shapes import ShapeKey
+from stepwatch.thresholds import ThresholdsError, load, parse
 from tests.promtext import absent, scrape, total, value
 
 
@@ -36,7 +36,7 @@ def test_few_step_line_comes_from_the_thresholds() -> None:
 def _raw() -> dict[str, Any]:
     import yaml
 
-    from stepwatch.alerts.thresholds import default_path
+    from stepwatch.thresholds import default_path
 
     data: dict[str, Any] = yaml.safe_load(default_path().read_text())
     return data

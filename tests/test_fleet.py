@@ -185,8 +185,8 @@ def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
     right, nothing else critical, resolved; their own checks hold (routed around, a lost node's series gone
     with no `up 0`, only the crowded instance named, only the drifted replica's quality dropped and the
     rollout's drain cost no request)."""
-    from stepwatch.alerts.thresholds import load
     from stepwatch.fault_injection.fleet_drills import FLEET_DRILLS, run_fleet_drills
+    from stepwatch.thresholds import load
     from stepwatch.triage.drill_hook import triage_for_drill
 
     th = load()

@@ -18,10 +18,10 @@ import pytest
 
 from stepwatch.alerts import promql, rulegen
 from stepwatch.alerts.promql import agg, sel
-from stepwatch.alerts.thresholds import PROFILES, Thresholds, load
 from stepwatch.catalog import series_names
 from stepwatch.fault_injection import queries
 from stepwatch.runbooks import parse
+from stepwatch.thresholds import PROFILES, Thresholds, load
 from tests.test_runbooks import EXAMPLE_LABELS  # one set of example label values
 
 ROOT = Path(__file__).resolve().parent.parent

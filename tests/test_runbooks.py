@@ -14,10 +14,10 @@ import yaml
 from prometheus_client import generate_latest
 
 from stepwatch.alerts import defs, promql, rulegen
-from stepwatch.alerts.thresholds import PROFILES, load
 from stepwatch.catalog import METRICS, series_names
 from stepwatch.runbooks import parse
 from stepwatch.runbooks.parse import CAUSES, RunbookError
+from stepwatch.thresholds import PROFILES, load
 from tests.conftest import need_tool
 from tests.promtext import absent, scrape, value
 
@@ -160,7 +160,7 @@ def test_explained_by_names_another_alert(th: Any, runbooks: dict[str, parse.Run
 def test_probe_stall_check_restates_the_stall_alerts_limit(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
     """quality-probe-failing.md's stall check and StepwatchWorkerStalled must agree about one series: the same
     limit, in the same words (promql.floored_multiple), from the same numbers, in both profiles."""
-    from stepwatch.alerts.defs.service import stall_floor
+    from stepwatch.thresholds import stall_floor
 
     spec = th.alert("worker_stalled")
     check = runbooks["StepwatchQualityProbeFailing"].check("stalled")

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from stepwatch.alerts.defs.service import stall_floor
-from stepwatch.alerts.thresholds import ThresholdsError, default_path, load
 from stepwatch.service.stall import Busy, InFlight, StallPolicy, restart_due, stalled_seconds
+from stepwatch.thresholds import ThresholdsError, default_path, load, stall_floor
 from tests.promtext import samples, value
 
 

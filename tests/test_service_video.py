@@ -271,9 +271,9 @@ def test_the_distilled_configuration_is_few_step_without_a_cache() -> None:
     cache is on (one would hit on every request of a distilled model)."""
     from pathlib import Path
 
-    from stepwatch.alerts.thresholds import load as load_thresholds
     from stepwatch.exporter.shapes import ShapeKey
     from stepwatch.service import config
+    from stepwatch.thresholds import load as load_thresholds
 
     cfg = config.load(Path(config.__file__).with_name("distilled.yaml"))
     line = load_thresholds().few_step_max_steps

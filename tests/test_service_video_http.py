@@ -112,10 +112,10 @@ def _video_probes_score_frames(svc: ServiceProc, tmp_path: Path) -> None:
     few-step hits."""
     from prometheus_client import CollectorRegistry
 
-    from stepwatch.alerts.thresholds import load
     from stepwatch.exporter.sidecar.capture import capture_baseline
     from stepwatch.exporter.sidecar.config import parse_probe_set
     from stepwatch.exporter.sidecar.prober import Prober
+    from stepwatch.thresholds import load
     from tests.promtext import scrape
 
     probes = parse_probe_set({"name": "clips", "size": "128x128", "steps": 4, "frames": 9, "prompts": ["a wave"],

@@ -11,10 +11,10 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from stepwatch.alerts.thresholds import load
 from stepwatch.exporter.sidecar import cli_sidecar
 from stepwatch.exporter.sidecar.config import parse_config
 from stepwatch.service import cli_serve
+from stepwatch.thresholds import load
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 # The service's documented CLI (docs/contracts.md): `stepwatch serve --host 127.0.0.1 --port 8000 --config FILE`,

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from stepwatch.alerts.thresholds import load
 from stepwatch.exporter.sidecar.capture import CaptureError, capture_baseline
 from stepwatch.exporter.sidecar.config import DEFAULT_PROMPTS, ProbeSet, default_probe_set, parse_probe_set
 from stepwatch.exporter.sidecar.prober import Prober
+from stepwatch.thresholds import load
 from tests.fakes import StandIn
 from tests.promtext import absent, scrape, total, value
 

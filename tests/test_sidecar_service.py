@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from stepwatch import cli
-from stepwatch.alerts.thresholds import load
 from stepwatch.exporter.sidecar.capture import capture_baseline
 from stepwatch.exporter.sidecar.config import default_probe_set, parse_probe_set
 from stepwatch.exporter.sidecar.prober import Prober
+from stepwatch.thresholds import load
 from tests.promtext import scrape, total, value
 from tests.servicefixture import ServiceProc
 

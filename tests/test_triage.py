@@ -22,9 +22,9 @@ from starlette.testclient import TestClient
 
 from stepwatch import httpclient
 from stepwatch.alerts import rulegen
-from stepwatch.alerts.thresholds import load
 from stepwatch.promapi import PromError, Sample
 from stepwatch.runbooks.parse import CAUSES, load_all
+from stepwatch.thresholds import load
 from stepwatch.triage import render
 from stepwatch.triage.cli_run import parse_time
 from stepwatch.triage.engine import (

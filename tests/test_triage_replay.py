@@ -19,8 +19,8 @@ import pytest
 
 from stepwatch import httpclient
 from stepwatch.alerts import rulegen, stack
-from stepwatch.alerts.thresholds import load
 from stepwatch.promapi import Alertmanager
+from stepwatch.thresholds import load
 from stepwatch.triage import render, scoring
 from stepwatch.triage.engine import Alert, triage, webhook_payload
 from stepwatch.triage.evaluate import evaluate

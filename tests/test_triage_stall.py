@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from stepwatch.alerts import rulegen
-from stepwatch.alerts.thresholds import load
 from stepwatch.promapi import Sample
 from stepwatch.runbooks import parse
+from stepwatch.thresholds import load
 from stepwatch.triage.engine import SYMPTOM_QUERY_PREFIX, Alert, Engine
 from tests.conftest import need_tool
 

@@ -15,8 +15,8 @@ import json
 import sys
 from datetime import datetime, timezone
 
-from stepwatch.alerts.thresholds import ThresholdsError, parse_duration
 from stepwatch.promapi import Alertmanager, PromError, Prometheus
+from stepwatch.thresholds import ThresholdsError, parse_duration
 from stepwatch.triage.engine import Alert, Engine, firing_at
 from stepwatch.triage.render import render, use_color
 

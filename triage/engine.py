@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 from stepwatch.alerts import defs, rulegen
 from stepwatch.alerts.defs import refers_to
-from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError, load, parse_duration
 from stepwatch.promapi import PromError, Prometheus
 from stepwatch.runbooks.parse import (
     CAUSE_SCOPE,
@@ -37,6 +36,7 @@ from stepwatch.runbooks.parse import (
     load_for_alert,
     load_for_url,
 )
+from stepwatch.thresholds import AlertSpec, Thresholds, ThresholdsError, load, parse_duration
 
 Outcome = Literal["healthy", "unhealthy", "unknown", "error"]
 Confidence = Literal["high", "medium", "low", "none"]

@@ -24,9 +24,9 @@ from typing import Any
 import yaml
 
 from stepwatch.alerts import defs, promql, rulegen
-from stepwatch.alerts.thresholds import Thresholds, parse_duration
-from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.promapi import Prometheus
+from stepwatch.thresholds import Thresholds, parse_duration
+from stepwatch.thresholds import load as load_thresholds
 from stepwatch.triage.engine import Alert, _iso
 from stepwatch.triage.record import SCENARIO_FILE, load_scenario
 from stepwatch.triage.replay import Replay

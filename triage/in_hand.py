@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from stepwatch.alerts.thresholds import kebab
+from stepwatch.thresholds import kebab
 from stepwatch.triage.record import SCENARIO_FILE, load_scenario
 
 

@@ -29,10 +29,10 @@ from typing import Any
 import yaml
 
 from stepwatch.alerts import promql, rulegen
-from stepwatch.alerts.thresholds import PROFILES, parse_duration
-from stepwatch.alerts.thresholds import load as load_thresholds
 from stepwatch.promapi import Prometheus
 from stepwatch.runbooks.parse import load_all
+from stepwatch.thresholds import PROFILES, parse_duration
+from stepwatch.thresholds import load as load_thresholds
 from stepwatch.triage.engine import _selector, firing_at  # _selector: the label escaping the engine's queries use
 
 SAMPLES_FILE = "samples.om.gz"

@@ -1,6 +1,6 @@
 """Every alert as one object: the registry the rules, the promtool tests and triage read.
 
-One module per subsystem (``labels.subsystem`` in alerts/thresholds.yaml) holds the
+One module per subsystem (``labels.subsystem`` in stepwatch/thresholds.yaml) holds the
 AlertDefs of its alerts; :data:`ALERTS` is all of them in the order of ``SUBSYSTEMS``.
 Adding an alert = its block in thresholds.yaml, its AlertDef in the module of its
 subsystem, its runbook and its panel (docs/adding-a-signal.md).
@@ -12,7 +12,7 @@ from types import ModuleType
 
 from stepwatch.alerts.defs import monitoring, pipeline, quality, service
 from stepwatch.alerts.defs.base import AlertDef, Case, Expect, Series, Timing
-from stepwatch.alerts.thresholds import SUBSYSTEMS, AlertSpec, Thresholds, ThresholdsError
+from stepwatch.thresholds import SUBSYSTEMS, AlertSpec, Thresholds, ThresholdsError
 
 __all__ = ["ALERTS", "MODULES", "SUBSYSTEM_OF", "AlertDef", "Case", "Expect", "Series", "Timing", "alert_def",
            "defined", "module_file", "problems", "refers_to", "validate"]

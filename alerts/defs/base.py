@@ -1,7 +1,7 @@
 """What an alert definition is, and the pieces its promtool scenarios are built from.
 
 An :class:`AlertDef` holds everything about one alert that is code rather than numbers
-or prose (those stay in alerts/thresholds.yaml): how its PromQL is built, the labels its
+or prose (those stay in stepwatch/thresholds.yaml): how its PromQL is built, the labels its
 series carry, whether it reads the profile's rate window, its promtool scenarios, and the
 triage causes it is the real story of.  The modules next to this one hold one AlertDef
 per alert, grouped by subsystem.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stepwatch.alerts.promql import num
-from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError, parse_duration
+from stepwatch.thresholds import AlertSpec, Thresholds, ThresholdsError, parse_duration
 
 # Jobs and instances the scenarios' series come from.
 SVC, SIDECAR = "stepwatch-service", "stepwatch-sidecar"

@@ -18,7 +18,7 @@ from stepwatch.alerts.defs.base import (
     pending,
 )
 from stepwatch.alerts.promql import events, num, sel
-from stepwatch.alerts.thresholds import AlertSpec, Thresholds, agent_job
+from stepwatch.thresholds import AlertSpec, Thresholds, agent_job
 
 SUBSYSTEM = "monitoring"
 

@@ -25,8 +25,8 @@ from stepwatch.alerts.defs.base import (
     rate_window,
 )
 from stepwatch.alerts.promql import above_bucket, events, num, over_positive, sel, sum_increase
-from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError
 from stepwatch.catalog import MEMORY_RATIO_BUCKETS
+from stepwatch.thresholds import AlertSpec, Thresholds, ThresholdsError
 
 SUBSYSTEM = "pipeline"
 

@@ -17,7 +17,7 @@ from stepwatch.alerts.defs.base import (
     ramp,
 )
 from stepwatch.alerts.promql import events, num, since
-from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError
+from stepwatch.thresholds import AlertSpec, Thresholds, ThresholdsError
 
 SUBSYSTEM = "quality"
 

@@ -20,7 +20,7 @@ from stepwatch.alerts.defs.base import (
     rate_window,
 )
 from stepwatch.alerts.promql import events, num, past_limit, sel, sum_increase
-from stepwatch.alerts.thresholds import AlertSpec, Thresholds, ThresholdsError, capacity_headroom
+from stepwatch.thresholds import AlertSpec, Thresholds, capacity_headroom, stall_floor
 
 SUBSYSTEM = "service"
 
@@ -71,18 +71,6 @@ def _errors_cases(p: Timing) -> list[Case]:
 
 
 # ----- worker stalled -------------------------------------------------------------------------
-
-def stall_floor(spec: AlertSpec, profile: str) -> float:
-    """``alerts.worker_stalled.min_seconds`` of ``profile``: the stall limit never goes below it (the service
-    reads it too).  Per profile because production must ride out a cold shape's first compile (minutes on a
-    large model) while a drill must see a frozen worker within a minute."""
-    raw = spec.extra.get("min_seconds", 300)
-    value = raw.get(profile) if isinstance(raw, dict) else raw
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ThresholdsError(f"alerts.{spec.key}.min_seconds: {raw!r} must be seconds > 0, one number or one "
-                              f"per profile ({{production: 300, drill: 20}}); {profile!r} has none")
-    return float(value)
-
 
 def _stalled_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
     return past_limit("stepwatch_worker_busy_seconds", "stepwatch_worker_expected_seconds", spec.threshold,

@@ -14,7 +14,6 @@ import logging
 import sys
 from pathlib import Path
 
-from stepwatch.alerts.thresholds import ThresholdsError, load
 from stepwatch.exporter.sidecar.capture import (
     DEFAULT_OUT,
     DEFAULT_TIMEOUT_S,
@@ -23,6 +22,7 @@ from stepwatch.exporter.sidecar.capture import (
     capture_baseline,
 )
 from stepwatch.exporter.sidecar.config import ConfigError, SidecarConfig, check_target, load_config, load_probe_set
+from stepwatch.thresholds import ThresholdsError, load
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,6 @@ from typing import Any
 
 from prometheus_client import disable_created_metrics
 
-from stepwatch.alerts.thresholds import ThresholdsError, load
 from stepwatch.exporter.sidecar.config import (
     ConfigError,
     SidecarConfig,
@@ -29,6 +28,7 @@ from stepwatch.exporter.sidecar.config import (
     positive,
 )
 from stepwatch.exporter.sidecar.main import DEFAULT_HOST, DEFAULT_PORT, serve
+from stepwatch.thresholds import ThresholdsError, load
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "add_arguments", "resolve_config", "run"]
 
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, help="seconds between probe runs (default: from the probe budget)")
     p.add_argument("--timeout", type=float, help="seconds per probe request (default: a few seconds beyond the "
                                                  "slowest probe seen)")
-    p.add_argument("--thresholds", help="thresholds YAML (default: the packaged alerts/thresholds.yaml)")
+    p.add_argument("--thresholds", help="thresholds YAML (default: the packaged stepwatch/thresholds.yaml)")
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs")
     p.add_argument("--practice-gpus", metavar="FILE",
                    help="report stand-in GPUs from this JSON state file instead of NVML (the practice stack's "

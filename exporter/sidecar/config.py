@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from stepwatch.alerts.thresholds import Quality
+from stepwatch.thresholds import Quality
 
 VIDEO_GATE = "video"
 DEFAULT_SIZE = "256x256"

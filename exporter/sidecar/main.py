@@ -19,13 +19,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from stepwatch.alerts.thresholds import Thresholds
 from stepwatch.exporter.sidecar.config import SidecarConfig
 from stepwatch.exporter.sidecar.nvml import NvmlCollector
 from stepwatch.exporter.sidecar.practice_gpus import PracticeGpus
 from stepwatch.exporter.sidecar.prober import Prober
 from stepwatch.exporter.sidecar.stream_probe import StreamProber
 from stepwatch.exposition import serve_metrics
+from stepwatch.thresholds import Thresholds
 
 log = logging.getLogger("stepwatch.sidecar")
 

@@ -21,13 +21,13 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 
-from stepwatch.alerts.thresholds import Thresholds, load
 from stepwatch.catalog import METRICS
 from stepwatch.exporter.sidecar.baseline import Baseline, BaselineStore, Lookup
 from stepwatch.exporter.sidecar.client import REASONS, Generated, ProbeError, ServiceClient, ServiceInfo
 from stepwatch.exporter.sidecar.config import VIDEO_GATE, ProbeSet, check_gate, default_probe_set, gate_db
 from stepwatch.exporter.sidecar.quality import QUANTILES, Score, ShapeMismatch, score, score_frames, summarize
 from stepwatch.metrics import MetricSet
+from stepwatch.thresholds import Thresholds, load
 
 log = logging.getLogger("stepwatch.sidecar.prober")
 

@@ -1,4 +1,4 @@
-"""Load and validate the thresholds source (alerts/thresholds.yaml).
+"""Load and validate the thresholds source (stepwatch/thresholds.yaml).
 
 Everything downstream (rules, dashboards, runbooks, triage, drills) calls
 ``load()`` and reads values from the returned object, never from literals.
@@ -346,11 +346,11 @@ def anchor(heading: str) -> str:
 
 
 def default_path() -> Path:
-    return Path(str(resources.files("stepwatch.alerts") / "thresholds.yaml"))
+    return Path(str(resources.files("stepwatch") / "thresholds.yaml"))
 
 
 def load(path: str | Path | None = None) -> Thresholds:
-    """The thresholds from ``path`` (default: the packaged alerts/thresholds.yaml)."""
+    """The thresholds from ``path`` (default: the packaged stepwatch/thresholds.yaml)."""
     p = Path(path) if path is not None else default_path()
     try:
         text = p.read_text()
@@ -361,3 +361,15 @@ def load(path: str | Path | None = None) -> Thresholds:
     except yaml.YAMLError as e:
         raise ThresholdsError(f"{p}: not valid YAML ({e})") from None
     return parse(data, str(p))
+
+
+def stall_floor(spec: AlertSpec, profile: str) -> float:
+    """``alerts.worker_stalled.min_seconds`` of ``profile``: the stall limit never goes below it (the service
+    reads it too).  Per profile because production must ride out a cold shape's first compile (minutes on a
+    large model) while a drill must see a frozen worker within a minute."""
+    raw = spec.extra.get("min_seconds", 300)
+    value = raw.get(profile) if isinstance(raw, dict) else raw
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ThresholdsError(f"alerts.{spec.key}.min_seconds: {raw!r} must be seconds > 0, one number or one "
+                              f"per profile ({{production: 300, drill: 20}}); {profile!r} has none")
+    return float(value)
