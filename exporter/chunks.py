@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from stepwatch.metrics import MetricSet
+from stepwatch.metrics import StreamMetrics
 
 # Index ranges for the chunk-latency trend: bounded labels (a chunk index is never a label value).
 INDEX_RANGES: tuple[tuple[int, int, str], ...] = (
@@ -255,7 +255,7 @@ class StreamPublisher:
     (summed over them: a worker may serve several sessions; each call's share leaves when it ends)."""
 
     @classmethod
-    def shared(cls, m: MetricSet) -> StreamPublisher:
+    def shared(cls, m: StreamMetrics) -> StreamPublisher:
         """One per metric set: every chunked pipeline instrumented on a registry (a worker's session slots)
         adds its calls to the same worker gauges instead of overwriting them."""
         pub = m.__dict__.get("_stream_publisher")
@@ -263,7 +263,7 @@ class StreamPublisher:
             pub = m.__dict__["_stream_publisher"] = cls(m)
         return pub
 
-    def __init__(self, m: MetricSet) -> None:
+    def __init__(self, m: StreamMetrics) -> None:
         self.m = m
         self._by_index = {label: m.stream_chunk_index_duration_seconds.labels(chunk_index=label)
                           for _, _, label in INDEX_RANGES}

@@ -60,7 +60,7 @@ from stepwatch.exporter.request import (
     resolve,
 )
 from stepwatch.exporter.shapes import ShapeKey, ShapeLabeler
-from stepwatch.metrics import MetricSet, ScrapeCounter
+from stepwatch.metrics import ExporterMetrics, MetricSet, ScrapeCounter
 
 log = logging.getLogger("stepwatch.exporter")
 
@@ -92,7 +92,7 @@ class InstrumentOptions:
 class _Guard:
     """Count and log-once every error raised inside our own hook bodies."""
 
-    def __init__(self, metrics: MetricSet) -> None:
+    def __init__(self, metrics: ExporterMetrics) -> None:
         self._metrics = metrics
         self._logged: set[str] = set()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from stepwatch.exporter.report import RequestReport
 from stepwatch.exporter.request import PEAK_STAGES, STAGES
-from stepwatch.metrics import MetricSet
+from stepwatch.metrics import ExporterMetrics
 
 
 def observe_all(hist: Any, amounts: Sequence[float]) -> None:
@@ -55,7 +55,7 @@ def observe_all(hist: Any, amounts: Sequence[float]) -> None:
 class ShapeChildren:
     """Label children of one shape, looked up once."""
 
-    def __init__(self, m: MetricSet, shape: str) -> None:
+    def __init__(self, m: ExporterMetrics, shape: str) -> None:
         self.ok = m.pipeline_requests_total.labels(shape=shape, outcome="ok")
         self.request = m.pipeline_request_duration_seconds.labels(shape=shape)
         self.stages = {s: m.pipeline_stage_duration_seconds.labels(shape=shape, stage=s) for s in STAGES}
@@ -76,9 +76,9 @@ class ShapeChildren:
 
 
 class Publisher:
-    """Writes reports into one MetricSet for one device."""
+    """Writes reports into one ExporterMetrics for one device."""
 
-    def __init__(self, metrics: MetricSet, device: str) -> None:
+    def __init__(self, metrics: ExporterMetrics, device: str) -> None:
         self.metrics = metrics
         self.device = device
         self.position = metrics.cache_hit_position_ratio

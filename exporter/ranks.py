@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from stepwatch.exporter.cpu import ThreadTotals
+from stepwatch.metrics import ExporterMetrics
 
 log = logging.getLogger("stepwatch.exporter.ranks")
 
@@ -370,9 +371,9 @@ class PerRequestReporter:
     """The rank-reporter interface for stand-ins that publish once per request from ``report`` alone (the
     exposition bench's fake ranks, the bench's pre-issue-18 reporter): no timeline to begin or end."""
 
-    metrics: Any = None
+    metrics: ExporterMetrics | None = None
 
-    def bind(self, metrics: Any) -> None:
+    def bind(self, metrics: ExporterMetrics) -> None:
         self.metrics = metrics
 
     def begin_request(self) -> int:
@@ -441,7 +442,7 @@ class RankReporter:
         self.channel = channel
         self._shipper = Shipper(self.timeline, self.rank)
         self.aligner = Aligner(self.world, clock) if self.rank == 0 else None
-        self.metrics: Any = None
+        self.metrics: ExporterMetrics | None = None
         self._orig: Callable[..., Any] | None = None
         self._orig_gather: tuple[Any, Any] | None = None
         self._stop = threading.Event()
@@ -514,7 +515,7 @@ class RankReporter:
             _CLAIMED.discard(self._claimed)
             self._claimed = None
 
-    def bind(self, metrics: Any) -> None:
+    def bind(self, metrics: ExporterMetrics) -> None:
         """Rank 0 publishes into ``metrics`` (the exporter's MetricSet)."""
         self.metrics = metrics
 
@@ -606,7 +607,7 @@ class RankReporter:
                 self._silent.discard(r)
 
 
-def finish_request(aligner: Aligner, q: int, req: _Request, metrics: Any) -> None:
+def finish_request(aligner: Aligner, q: int, req: _Request, metrics: ExporterMetrics) -> None:
     """A request every rank finished: its steps into the counters, its per-step busy time into the gauges.
     Only a whole one sets the gauges: every rank's stamps, and at least one collective charged."""
     for r, steps in req.steps.items():
@@ -625,7 +626,7 @@ def skew(per_step: list[float]) -> float:
     return (max(per_step) - fastest) / fastest if fastest > 0 else 0.0
 
 
-def publish_ranks(per_step: list[float], metrics: Any) -> None:
+def publish_ranks(per_step: list[float], metrics: ExporterMetrics) -> None:
     """The per-request gauges: each rank's busy seconds per step, and the skew between the ranks."""
     for r, b in enumerate(per_step):
         metrics.rank_step_duration_seconds.labels(rank=str(r)).set(b)

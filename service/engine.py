@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from stepwatch import httpclient
 from stepwatch.exposition import Renderer
-from stepwatch.metrics import MetricSet
+from stepwatch.metrics import ServiceMetrics
 from stepwatch.service import api, knobs
 from stepwatch.service.config import PoolConfig, ServiceConfig, parse_size
 from stepwatch.service.fingerprint import fingerprint_id
@@ -125,7 +125,7 @@ class Service:
     def __init__(self, cfg: ServiceConfig, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         self.registry = registry or CollectorRegistry()
-        self.m = MetricSet(self.registry, "service")
+        self.m = ServiceMetrics(self.registry)
         self.stall = StallPolicy.from_thresholds(load_thresholds(cfg.thresholds) if cfg.thresholds else None,
                                                  cfg.thresholds_profile)
         self.inflight = InFlight()

@@ -21,7 +21,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepwatch.metrics import MetricSet
+from stepwatch.metrics import ServiceMetrics
 from stepwatch.service.api import ApiError, GenerationRequest
 from stepwatch.service.config import ServiceConfig
 from stepwatch.service.messages import ProgressMsg, Reply
@@ -84,7 +84,7 @@ def _job_error(code: str, message: str) -> dict[str, Any]:
 class VideoJobs:
     """The jobs of one service: create, progress, finish, cancel, forget; thread-safe."""
 
-    def __init__(self, cfg: ServiceConfig, metrics: MetricSet, cancel_running: Callable[[int], None],
+    def __init__(self, cfg: ServiceConfig, metrics: ServiceMetrics, cancel_running: Callable[[int], None],
                  clock: Callable[[], float] = time.monotonic, wallclock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.pool = cfg.video_pool().name

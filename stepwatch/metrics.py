@@ -3,40 +3,59 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import ClassVar, Literal, overload
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, Summary
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from stepwatch.catalog import METRICS, MetricDef, Owner
+from stepwatch.metric_fields import ExporterFields, ServiceFields, SidecarFields, StreamFields
+from stepwatch.metric_fields_gen import attribute, owned
+
+Collector = Counter | Gauge | Histogram | Summary | Info
+
+
+def collector(m: MetricDef, registry: CollectorRegistry) -> Collector:
+    """The prometheus_client collector of catalog entry ``m``, registered on ``registry``."""
+    if m.kind == "counter":
+        return Counter(m.name, m.help, m.labels, registry=registry)
+    if m.kind == "gauge":
+        return Gauge(m.name, m.help, m.labels, registry=registry)
+    if m.kind == "histogram":
+        return Histogram(m.name, m.help, m.labels, registry=registry, buckets=m.buckets)
+    if m.kind == "summary":
+        return Summary(m.name, m.help, m.labels, registry=registry)
+    return Info(m.name, m.help, m.labels, registry=registry)
 
 
 class MetricSet:
-    """The collectors of one owner (exporter, service or sidecar) on one registry.
+    """The collectors of one owner (exporter, stream, service or sidecar) on one registry.
 
-    Attribute access uses the catalog name without the ``stepwatch_`` prefix,
-    e.g. ``ms.pipeline_step_duration_seconds``.
+    Each collector is an attribute named as in the catalog without the ``stepwatch_`` prefix,
+    e.g. ``ms.pipeline_step_duration_seconds``.  Use the owner's class (``ExporterMetrics``, ...) or
+    ``MetricSet.shared``: their attributes are declared, with their collector types, in the generated
+    stepwatch/metric_fields.py, so mypy rejects a misspelled metric or a method its kind lacks.
     """
 
-    def __init__(self, registry: CollectorRegistry, owner: Owner) -> None:
-        self.registry = registry
-        self._by_name: dict[str, Any] = {}
-        for m in METRICS:
-            if m.owner != owner or m.scraped:
-                continue
-            c: Any
-            if m.kind == "counter":
-                c = Counter(m.name, m.help, m.labels, registry=registry)
-            elif m.kind == "gauge":
-                c = Gauge(m.name, m.help, m.labels, registry=registry)
-            elif m.kind == "histogram":
-                c = Histogram(m.name, m.help, m.labels, registry=registry, buckets=m.buckets)
-            elif m.kind == "summary":
-                c = Summary(m.name, m.help, m.labels, registry=registry)
-            else:
-                c = Info(m.name, m.help, m.labels, registry=registry)
-            self._by_name[m.name.removeprefix("stepwatch_")] = c
+    OWNER: ClassVar[Owner]
 
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        for m in owned(self.OWNER):
+            setattr(self, attribute(m), collector(m, registry))
+
+    @overload
+    @classmethod
+    def shared(cls, registry: CollectorRegistry, owner: Literal["exporter"]) -> ExporterMetrics: ...
+    @overload
+    @classmethod
+    def shared(cls, registry: CollectorRegistry, owner: Literal["stream"]) -> StreamMetrics: ...
+    @overload
+    @classmethod
+    def shared(cls, registry: CollectorRegistry, owner: Literal["service"]) -> ServiceMetrics: ...
+    @overload
+    @classmethod
+    def shared(cls, registry: CollectorRegistry, owner: Literal["sidecar"]) -> SidecarMetrics: ...
     @classmethod
     def shared(cls, registry: CollectorRegistry, owner: Owner) -> MetricSet:
         """One set per (registry, owner): instrumenting again, or a second pipeline, reuses the collectors
@@ -46,14 +65,37 @@ class MetricSet:
         per_owner: dict[str, MetricSet] = registry.__dict__.setdefault("_stepwatch_metric_sets", {})
         ms = per_owner.get(owner)
         if ms is None:
-            ms = per_owner[owner] = cls(registry, owner)
+            ms = per_owner[owner] = BY_OWNER[owner](registry)
         return ms
 
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self._by_name[key]
-        except KeyError:
-            raise AttributeError(key) from None
+
+class ExporterMetrics(MetricSet, ExporterFields):
+    """The in-process exporter's collectors."""
+
+    OWNER = "exporter"
+
+
+class StreamMetrics(MetricSet, StreamFields):
+    """The exporter's chunked-video collectors, registered only where such a pipeline is instrumented."""
+
+    OWNER = "stream"
+
+
+class ServiceMetrics(MetricSet, ServiceFields):
+    """The practice service's collectors."""
+
+    OWNER = "service"
+
+
+class SidecarMetrics(MetricSet, SidecarFields):
+    """The sidecar's collectors (the prober's quality series and the NVML ones)."""
+
+    OWNER = "sidecar"
+
+
+BY_OWNER: dict[Owner, type[MetricSet]] = {
+    "exporter": ExporterMetrics, "stream": StreamMetrics, "service": ServiceMetrics, "sidecar": SidecarMetrics,
+}
 
 
 class ScrapeCounter:

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from stepwatch.exporter.ranks import Aligner, Chunk, RankReporter, Shipper, StoreChannel, Timeline, stamping
-from stepwatch.metrics import MetricSet
+from stepwatch.metrics import ExporterMetrics
 
 
 class Clock:
@@ -43,7 +43,7 @@ def two_ranks(clock: Clock, cpu_wait: list[float] | None = None,
 
     r0 = RankReporter(channel=ch, interval=None, clock=clock, rank=0, world=2, hook=False, cpu_wait=waits(0))
     r1 = RankReporter(channel=ch, interval=None, clock=clock, rank=1, world=2, hook=False, cpu_wait=waits(1))
-    r0.bind(MetricSet(registry, "exporter"))
+    r0.bind(ExporterMetrics(registry))
     return r0, r1, ch, registry
 
 

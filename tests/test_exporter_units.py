@@ -17,7 +17,7 @@ from stepwatch.exporter.bench import StubPipeline
 from stepwatch.exporter.publish import Publisher
 from stepwatch.exporter.request import RequestMarks, ResolveContext, resolve
 from stepwatch.exporter.shapes import ShapeKey, ShapeLabeler
-from stepwatch.metrics import MetricSet
+from stepwatch.metrics import ExporterMetrics
 from tests.promtext import absent, scrape, value
 
 
@@ -122,7 +122,7 @@ def test_resolve_without_steps_or_size_has_no_shape() -> None:
 
 def test_publish_writes_one_report() -> None:
     reg = CollectorRegistry()
-    pub = Publisher(MetricSet(reg, "exporter"), "cpu")
+    pub = Publisher(ExporterMetrics(reg), "cpu")
     req = _marks(denoise_start=10.1, step_marks=[10.2, 10.3, 10.4], max_branches=2, planned_steps=3,
                  decisions=[(2, "cond", True), (2, "uncond", False)], cache=("mag_cache", lambda b: None),
                  peaks={"denoise": 80}, capacity=1000, end=10.5)

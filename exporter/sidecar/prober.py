@@ -26,7 +26,7 @@ from stepwatch.exporter.sidecar.baseline import Baseline, BaselineStore, Lookup
 from stepwatch.exporter.sidecar.client import REASONS, Generated, ProbeError, ServiceClient, ServiceInfo
 from stepwatch.exporter.sidecar.config import VIDEO_GATE, ProbeSet, check_gate, default_probe_set, gate_db
 from stepwatch.exporter.sidecar.quality import QUANTILES, Score, ShapeMismatch, score, score_frames, summarize
-from stepwatch.metrics import MetricSet
+from stepwatch.metrics import SidecarMetrics
 from stepwatch.thresholds import Thresholds, load
 
 log = logging.getLogger("stepwatch.sidecar.prober")
@@ -42,13 +42,13 @@ MAX_CONSECUTIVE_TIMEOUTS = 3
 Status = Literal["ok", "partial", "stale", "baseline_error", "failed", "aborted"]
 
 
-def quality_metrics(registry: CollectorRegistry) -> MetricSet:
+def quality_metrics(registry: CollectorRegistry) -> SidecarMetrics:
     """The prober's collectors from the catalog, registered on ``registry``.
 
-    ``MetricSet`` builds every sidecar collector; the NVML ones are served by a
+    ``SidecarMetrics`` builds every sidecar collector; the NVML ones are served by a
     scrape-time collector instead, so only the quality ones go on ``registry``.
     """
-    ms = MetricSet(CollectorRegistry(), "sidecar")
+    ms = SidecarMetrics(CollectorRegistry())
     for name in QUALITY_METRICS:
         registry.register(getattr(ms, name.removeprefix("stepwatch_")))
     return ms
@@ -160,7 +160,7 @@ class Prober:
                  gate: str | None = None, interval_s: float | None = None, timeout_s: float | None = None,
                  timeout_margin_s: float = 5.0, initial_timeout_s: float = 60.0, info_timeout_s: float = 5.0,
                  budget_ratio: float | None = None, min_interval_s: float = 5.0, retry_interval_s: float = 30.0,
-                 wallclock: Callable[[], float] = time.time, metrics: MetricSet | None = None) -> None:
+                 wallclock: Callable[[], float] = time.time, metrics: SidecarMetrics | None = None) -> None:
         if thresholds is None:
             thresholds = load()
         q = thresholds.quality
