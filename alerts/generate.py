@@ -1,4 +1,4 @@
-"""Write every file that follows from stepwatch/thresholds.yaml, or check they are current.
+"""Write every file that follows from stepwatch/thresholds.yaml (and the catalog), or check they are current.
 
   alerts/rules/stepwatch-{production,drill}.rules.yml   recording + alerting rules
   alerts/k8s/prometheusrule.yaml                         the production rules as a PrometheusRule
@@ -7,6 +7,8 @@
   runbooks/*.md                                         the generated "at a glance" block of each
                                                         runbook and the alert index in README.md
   alerts/README.md                                      the table of alerts and recording rules
+  stepwatch/metric_fields.py                            each owner's collectors as typed attributes, from
+                                                        stepwatch/catalog.py (stepwatch/metric_fields_gen.py)
 
 Output is deterministic.  ``stepwatch rules generate`` (alerts/cli_rules.py) writes them;
 ``--check`` writes nothing and names every file that differs.
@@ -18,6 +20,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from stepwatch import metric_fields_gen
 from stepwatch.alerts import defs, promtests, rulegen, stack
 from stepwatch.alerts.promql import num
 from stepwatch.thresholds import PROFILES, SEVERITIES, Thresholds, ThresholdsError
@@ -89,6 +92,15 @@ def _alert_table(th: Thresholds) -> str:
     return "\n".join(out)
 
 
+def metric_fields_path(root: Path) -> str | None:
+    """Where the core package's metric_fields.py lies under root: stepwatch/ in a checkout, root itself where
+    root is an installed site-packages/stepwatch; None where root holds neither (then it is not generated)."""
+    for rel in ("stepwatch/", ""):
+        if (root / rel / "catalog.py").is_file():
+            return f"{rel}metric_fields.py"
+    return None
+
+
 def render_all(th: Thresholds, root: Path) -> dict[str, str]:
     """{path relative to root: content} of every generated file (runbooks read from root/runbooks)."""
     defs.validate(th)  # every alert has its AlertDef before anything is written
@@ -113,6 +125,8 @@ def render_all(th: Thresholds, root: Path) -> dict[str, str]:
         readme = root / rel
         if readme.is_file() and _BLOCK.search(text := readme.read_text()):
             out[rel] = _BLOCK.sub(lambda _, b=block: b, text, count=1)  # type: ignore[misc]
+    if (fields := metric_fields_path(root)) is not None:
+        out[fields] = metric_fields_gen.render()
     return dict(sorted(out.items()))
 
 
