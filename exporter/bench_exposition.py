@@ -49,6 +49,7 @@ class _FakeRanks(PerRequestReporter):
 
     def report(self, report: Any, _request: int) -> None:
         steps, m = len(report.step_seconds), self.metrics
+        assert m is not None, "instrument() binds the reporter before the first request"
         if not steps:
             return
         per_step = [sum(report.step_seconds) / steps * (1 + r / 100) for r in range(self.world)]

@@ -84,6 +84,7 @@ class LegacyRankReporter(PerRequestReporter):
         values: list[Any] = [None] * self.world
         self._dist.all_gather_object(values, (busy, steps))
         if self.rank == 0 and steps:
+            assert self.metrics is not None, "instrument() binds the reporter before the first request"
             publish_ranks([float(v[0]) for v in values], self.metrics)
 
 
