@@ -37,10 +37,12 @@ from typing import Any
 from stepwatch import httpclient
 from stepwatch.exporter.sidecar.practice_gpus import write_state
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.drills import Drill, DrillResult, start_neighbours, stop_neighbours
+from stepwatch.fault_injection.drill import Drill, DrillResult
 from stepwatch.fault_injection.fleet import REPLICA_SERVICE
+from stepwatch.fault_injection.neighbours import start_neighbours, stop_neighbours
 from stepwatch.fault_injection.rivals import gpu_throttle
-from stepwatch.fault_injection.stack import Traffic, starts_at
+from stepwatch.fault_injection.traffic import Traffic
+from stepwatch.fault_injection.webhook import starts_at
 from stepwatch.promapi import Alertmanager, Prometheus
 
 
@@ -510,7 +512,7 @@ def run_fleet_drills(stack: Any, drills: list[Drill], progress: Any = None, tria
                      record: Any = None) -> list[DrillResult]:
     """The drills one after another on a running FleetStack, with the one-instance drills' runner and rules;
     ``record`` (a fault_injection.recording.Recording) records each as a triage scenario."""
-    from stepwatch.fault_injection.drills import Runner
+    from stepwatch.fault_injection.runner import Runner
 
     runner = Runner(stack, progress=progress, triage=triage)
     runner.record = record

@@ -12,7 +12,7 @@ from typing import Any
 # name -> (module, help).  A module provides add_arguments(parser) and run(args) -> int.
 # Nested groups map a name to a dict of the same.
 COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
-    "demo": ("stepwatch.service.cli_demo", "run the main job on the embedded default and summarize"),
+    "demo": ("stepwatch.fault_injection.cli_demo", "run the main job on the embedded default and summarize"),
     "serve": ("stepwatch.service.cli_serve", "run the practice inference service (OpenAI-style image API)"),
     "sidecar": ("stepwatch.exporter.sidecar.cli_sidecar", "run the sidecar: NVML collector and quality prober"),
     "baseline": {
@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "eval": ("stepwatch.triage.cli_eval", "score triage on recorded scenarios"),
         "false-alarms": ("stepwatch.triage.cli_false_alarms",
                          "write false-alarm controls: every alert presented on a quiet recording"),
-        "in-hand": ("stepwatch.triage.cli_in_hand",
+        "in-hand": ("stepwatch.fault_injection.cli_in_hand",
                     "write a drill recording's other alerts (its block's also) as scenarios of their own"),
     },
     "bench": {
