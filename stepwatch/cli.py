@@ -36,20 +36,20 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
                     "write a drill recording's other alerts (its block's also) as scenarios of their own"),
     },
     "bench": {
-        "overhead": ("stepwatch.exporter.cli_bench", "instrumentation overhead per step, bare vs instrumented"),
-        "service": ("stepwatch.service.cli_bench", "service throughput and latency vs the bare pipeline"),
-        "exposition": ("stepwatch.exporter.cli_bench_exposition",
+        "overhead": ("stepwatch.bench.cli_overhead", "instrumentation overhead per step, bare vs instrumented"),
+        "service": ("stepwatch.bench.cli_service", "service throughput and latency vs the bare pipeline"),
+        "exposition": ("stepwatch.bench.cli_exposition",
                        "series, bytes and render time of /metrics at fleet cardinality"),
-        "stream": ("stepwatch.exporter.bench_stream",
+        "stream": ("stepwatch.bench.stream",
                    "per-chunk cost of the hooks on chunked autoregressive video, bare vs instrumented"),
-        "fleet": ("stepwatch.fault_injection.bench_fleet",
+        "fleet": ("stepwatch.bench.fleet",
                   "a load test through the fleet's load balancer, side by side with direct requests"),
     },
     "fleet": {
         "up": ("stepwatch.fault_injection.cli_fleet",
                "the practice fleet: replicas behind haproxy, agents, HA evaluators, clustered Alertmanagers"),
     },
-    "gpu-check": ("stepwatch.exporter.cli_gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
+    "gpu-check": ("stepwatch.bench.cli_gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
 }
 
 _TOP_HELP = """\

@@ -510,7 +510,7 @@ def test_bench_shipping_ticks_only_while_its_variant_is_timed() -> None:
     per interval of the "now" variant's time, summed over requests shorter than the interval."""
     import time
 
-    from stepwatch.exporter.bench_ranks import _Shipping
+    from stepwatch.bench.ranks import _Shipping
 
     ticks: list[float] = []
     ship = _Shipping(lambda: ticks.append(time.monotonic()), interval=0.1)

@@ -118,7 +118,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.mark.heavy
 def test_load_through_the_balancer_at_three_replicas(fleet: Any) -> None:
-    from stepwatch.fault_injection.bench_fleet import measure
+    from stepwatch.bench.fleet import measure
     from stepwatch.promapi import Prometheus
 
     for url in fleet.evaluators:  # every target reached both evaluators through the node agents
@@ -133,7 +133,7 @@ def test_load_through_the_balancer_at_three_replicas(fleet: Any) -> None:
         status = httpx.get(url + "/api/v2/status", timeout=5).json()
         assert status["cluster"]["status"] == "ready" and len(status["cluster"]["peers"]) == 2, status
     r = measure(fleet, requests=30, concurrency=3)
-    from stepwatch.fault_injection.bench_fleet import scale
+    from stepwatch.bench.fleet import scale
 
     s = scale(fleet)
     assert r["answered"] == r["sent"] == 60, r["codes"]
