@@ -247,7 +247,7 @@ class FleetStack:
     def group_interval_s(self) -> float:
         return parse_duration(load_thresholds().profiles[self.profile].group_interval, "group_interval")
 
-    # ----- what the drill runner reads (fault_injection/drills.Runner, as on a LocalStack) -----
+    # ----- what the drill runner reads (fault_injection/runner.Runner, as on a LocalStack) -----
     @property
     def prom(self) -> Prometheus:
         """Evaluator a: the drills and triage query the central store, as a fleet's on-call does."""

@@ -1,6 +1,6 @@
 """Fleet drills: faults of the monitoring system and of a replica, on the practice fleet (fault_injection/fleet.py).
 
-They run on the drill runner of the one-instance stack (fault_injection/drills.Runner): the fleet answers what
+They run on the drill runner of the one-instance stack (fault_injection/runner.Runner): the fleet answers what
 the runner reads (``prom`` is central evaluator a, ``webhook``, ``healthy()`` is the balancer's ``/readyz``,
 ``traffic()`` goes through the balancer), so the pass rules are the same: quiet before, detected within the
 goal, the webhook delivered, triage right, nothing else critical, resolved after the restore.  Each drill's
