@@ -226,7 +226,7 @@ def stub_case(name: str, calls: int = 6000) -> dict[str, Any]:
 
 
 def _ci(values: list[float]) -> tuple[float, float]:
-    """95% bootstrap interval of the median of ``values`` (the two-rank rows of bench/ranks.py; the paired rows use paired.py)."""
+    """95% bootstrap interval of the median of ``values`` (bench/ranks.py's rows; the paired rows use paired.py)."""
     rng = random.Random(0)
     meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(400))
     return meds[10], meds[389]
