@@ -15,10 +15,11 @@ from typing import Any
 
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
-from stepwatch.fault_injection.drills import DrillResult, Runner, Triage, calibrate_baselines
+from stepwatch.fault_injection.drill import DrillResult
 from stepwatch.fault_injection.recording import Recording, StackKey  # (ranks, compile backend or "", stream probe)
 from stepwatch.fault_injection.registry import ALL_DRILLS, DRILLS, FLEET_DRILL_NAMES, RIVAL_DRILLS, SEED_DRILLS
 from stepwatch.fault_injection.report import write_report
+from stepwatch.fault_injection.runner import Runner, Triage, calibrate_baselines
 from stepwatch.fault_injection.stack import LocalStack, StackUrls
 from stepwatch.thresholds import Thresholds
 

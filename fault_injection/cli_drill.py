@@ -36,12 +36,13 @@ import time
 from pathlib import Path
 
 from stepwatch.fault_injection.campaign import Campaign, expand
+from stepwatch.fault_injection.drill_hook import triage_for_drill
 from stepwatch.fault_injection.recording import Recording
 from stepwatch.fault_injection.registry import ALL_DRILLS
 from stepwatch.fault_injection.report import summary_table
-from stepwatch.fault_injection.stack import StackUrls, exit_on_sigterm
+from stepwatch.fault_injection.stack import StackUrls
+from stepwatch.procs import exit_on_sigterm
 from stepwatch.thresholds import load as load_thresholds
-from stepwatch.triage.drill_hook import triage_for_drill
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

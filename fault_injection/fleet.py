@@ -44,17 +44,10 @@ from stepwatch.exporter.sidecar.capture import capture_baseline
 from stepwatch.exporter.sidecar.config import ProbeSet, default_probe_set
 from stepwatch.exporter.sidecar.practice_gpus import write_state
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.stack import (
-    ADMIN_TOKEN,
-    DRILL_SERVICE,
-    PROBE_SIZE,
-    Child,
-    Traffic,
-    WebhookReceiver,
-    free_port,
-    running_traffic,
-    set_knobs,
-)
+from stepwatch.fault_injection.stack import ADMIN_TOKEN, DRILL_SERVICE, PROBE_SIZE
+from stepwatch.fault_injection.traffic import Traffic, running_traffic, set_knobs
+from stepwatch.fault_injection.webhook import WebhookReceiver
+from stepwatch.procs import Child, free_port
 from stepwatch.promapi import Alertmanager, Prometheus
 from stepwatch.service.balancer import BALANCER_JOB, haproxy_argv, haproxy_config, in_flight, set_state
 from stepwatch.thresholds import load as load_thresholds
@@ -254,7 +247,7 @@ class FleetStack:
     def group_interval_s(self) -> float:
         return parse_duration(load_thresholds().profiles[self.profile].group_interval, "group_interval")
 
-    # ----- what the drill runner reads (fault_injection/drills.Runner, as on a LocalStack) -----
+    # ----- what the drill runner reads (fault_injection/runner.Runner, as on a LocalStack) -----
     @property
     def prom(self) -> Prometheus:
         """Evaluator a: the drills and triage query the central store, as a fleet's on-call does."""

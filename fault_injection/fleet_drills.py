@@ -1,6 +1,6 @@
 """Fleet drills: faults of the monitoring system and of a replica, on the practice fleet (fault_injection/fleet.py).
 
-They run on the drill runner of the one-instance stack (fault_injection/drills.Runner): the fleet answers what
+They run on the drill runner of the one-instance stack (fault_injection/runner.Runner): the fleet answers what
 the runner reads (``prom`` is central evaluator a, ``webhook``, ``healthy()`` is the balancer's ``/readyz``,
 ``traffic()`` goes through the balancer), so the pass rules are the same: quiet before, detected within the
 goal, the webhook delivered, triage right, nothing else critical, resolved after the restore.  Each drill's
@@ -37,10 +37,12 @@ from typing import Any
 from stepwatch import httpclient
 from stepwatch.exporter.sidecar.practice_gpus import write_state
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.drills import Drill, DrillResult, start_neighbours, stop_neighbours
+from stepwatch.fault_injection.drill import Drill, DrillResult
 from stepwatch.fault_injection.fleet import REPLICA_SERVICE
+from stepwatch.fault_injection.neighbours import start_neighbours, stop_neighbours
 from stepwatch.fault_injection.rivals import gpu_throttle
-from stepwatch.fault_injection.stack import Traffic, starts_at
+from stepwatch.fault_injection.traffic import Traffic
+from stepwatch.fault_injection.webhook import starts_at
 from stepwatch.promapi import Alertmanager, Prometheus
 
 
@@ -510,7 +512,7 @@ def run_fleet_drills(stack: Any, drills: list[Drill], progress: Any = None, tria
                      record: Any = None) -> list[DrillResult]:
     """The drills one after another on a running FleetStack, with the one-instance drills' runner and rules;
     ``record`` (a fault_injection.recording.Recording) records each as a triage scenario."""
-    from stepwatch.fault_injection.drills import Runner
+    from stepwatch.fault_injection.runner import Runner
 
     runner = Runner(stack, progress=progress, triage=triage)
     runner.record = record

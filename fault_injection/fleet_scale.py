@@ -5,7 +5,7 @@ sidecar) puts on the central store, the samples per second the central evaluator
 the agents send over remote write, and the central evaluator's resident memory per head series (its memory with
 the fleet's series minus its memory before any agent wrote).  A production pod is larger than a practice one
 (more shapes on its allowlist, 8 ranks, 8 GPUs), so its series come from the exposition benchmark
-(exporter/bench_exposition.py) at the pod's shapes, ranks and GPUs; the per-series and per-sample costs are the
+(bench/exposition.py) at the pod's shapes, ranks and GPUs; the per-series and per-sample costs are the
 measured ones.  The table extrapolates linearly: that is the assumption to check when a real fleet grows.
 """
 

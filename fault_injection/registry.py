@@ -1,5 +1,6 @@
-"""Every drill by name: the seeds' three, the ones beyond them, the rival faults (fault_injection/rivals.py), and
-the video and few-step ones (fault_injection/video_drills.py), the streaming ones (fault_injection/stream_drills.py),
+"""Every drill by name: the seeds' three (fault_injection/seed_drills.py), the ones beyond them on the worker's
+capacity and ranks (fault_injection/worker_drills.py), the rival faults (fault_injection/rivals.py), the video and
+few-step ones (fault_injection/video_drills.py), the streaming ones (fault_injection/stream_drills.py),
 the fleet ones (fault_injection/fleet_drills.py).
 
 ``stepwatch drill`` and the scenario recorder read the drills from here; each drill's alerts, cause and
@@ -8,12 +9,16 @@ knob values come from its block in runbooks/drills.md.
 
 from __future__ import annotations
 
-from stepwatch.fault_injection.drills import SEED_FAULTS, Drill
+from stepwatch.fault_injection.drill import Drill
 from stepwatch.fault_injection.fleet_drills import FLEET_DRILLS
 from stepwatch.fault_injection.rivals import RIVALS
+from stepwatch.fault_injection.seed_drills import CacheThreshold, OffMenuResolution, VaeTilingOom
 from stepwatch.fault_injection.stream_drills import STREAM_DRILLS
 from stepwatch.fault_injection.video_drills import VIDEO_DRILLS
+from stepwatch.fault_injection.worker_drills import QueueOverload, Straggler, StragglerNeighbour, WorkerStall
 
+SEED_FAULTS: tuple[type[Drill], ...] = (CacheThreshold, OffMenuResolution, VaeTilingOom, QueueOverload, Straggler,
+                                        StragglerNeighbour, WorkerStall)
 # The rivals last: gpu-throttle must be the last drill on its stack (its throttle stays in the look-back).
 DRILLS: dict[str, type[Drill]] = {d.name: d for d in (*SEED_FAULTS, *VIDEO_DRILLS, *STREAM_DRILLS, *FLEET_DRILLS,
                                                      *RIVALS)}

@@ -12,7 +12,7 @@ from typing import Any
 from stepwatch.dashboards.snapshot import render_panels
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
-from stepwatch.fault_injection.drills import DrillResult
+from stepwatch.fault_injection.drill import DrillResult
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.thresholds import Thresholds
 

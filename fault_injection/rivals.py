@@ -38,19 +38,11 @@ from typing import Any
 from stepwatch import httpclient
 from stepwatch.exporter.sidecar.practice_gpus import write_state
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.drills import (
-    RECOVER_DEADLINE_S,
-    Drill,
-    DrillResult,
-    Straggler,
-    WorkerStall,
-    _http_json,
-    _mean_step,
-    _rate_window,
-    crowd_worker,
-    stop_neighbours,
-)
-from stepwatch.fault_injection.stack import Arrivals, LocalStack
+from stepwatch.fault_injection.drill import RECOVER_DEADLINE_S, Drill, DrillResult, _http_json, _mean_step, _rate_window
+from stepwatch.fault_injection.neighbours import crowd_worker, stop_neighbours
+from stepwatch.fault_injection.stack import LocalStack
+from stepwatch.fault_injection.traffic import Arrivals
+from stepwatch.fault_injection.worker_drills import Straggler, WorkerStall
 
 
 class KnobFault(Drill):

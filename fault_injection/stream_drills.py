@@ -14,9 +14,11 @@ from typing import Any
 
 from stepwatch import httpclient
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.drills import ClientLoop, Drill, DrillResult, crowd_worker, stop_neighbours
+from stepwatch.fault_injection.drill import Drill, DrillResult
+from stepwatch.fault_injection.neighbours import crowd_worker, stop_neighbours
 from stepwatch.fault_injection.stack import LocalStack
-from stepwatch.service.sessions import parse_sse
+from stepwatch.fault_injection.traffic import ClientLoop
+from stepwatch.sse import parse_sse
 
 SESSION_TIMEOUT_S = 300.0
 

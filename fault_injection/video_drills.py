@@ -18,9 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stepwatch import httpclient
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.drills import ClientLoop, Drill, DrillResult
+from stepwatch.fault_injection.drill import Drill, DrillResult
 from stepwatch.fault_injection.rivals import WorkerKilled
-from stepwatch.fault_injection.stack import LocalStack, _http
+from stepwatch.fault_injection.stack import LocalStack
+from stepwatch.fault_injection.traffic import ClientLoop, _http
 
 DONE = ("succeeded", "failed", "cancelled")
 JOB_TIMEOUT_S = 300.0

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -22,17 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stepwatch.procs import die_with_parent
+from stepwatch.procs import die_with_parent, free_port
 from stepwatch.service.messages import RankProc
 from stepwatch.service.worker import Worker, configure_process, start
 
 log = logging.getLogger("stepwatch.service.ranks")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_cpus(world: int, pin: bool) -> list[list[int]]:
@@ -82,7 +75,7 @@ def _rank_entry(cfg: dict[str, Any], conn: Connection | None, rank: int, world: 
 
 def ranks_main(cfg: dict[str, Any], conn: Any, world: int) -> None:
     """Entry point of the worker process in multi-rank mode: rank 0 here, ranks 1.. as children."""
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     cpus = rank_cpus(world, bool(cfg.get("pin_ranks", True)))
     threads = rank_threads(cpus)

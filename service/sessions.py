@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,25 +34,11 @@ from stepwatch.service import api
 from stepwatch.service.config import ServiceConfig, parse_size
 from stepwatch.service.messages import ChunkMsg, SessionStartedMsg
 from stepwatch.service.worker_client import WorkerClient, WorkerDied
+from stepwatch.sse import sse
 
 log = logging.getLogger("stepwatch.service")
 OPEN_TIMEOUT = 30.0  # seconds to wait for the worker to start a session (a slot's first call)
 REAP_EVERY = 1.0
-
-
-def sse(event: str, data: dict[str, Any]) -> bytes:
-    """One server-sent event."""
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-def parse_sse(lines: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(event, data) of a session's stream, read line by line as a client reads it (the inverse of ``sse``)."""
-    kind = ""
-    for line in lines:
-        if line.startswith("event: "):
-            kind = line[len("event: "):]
-        elif line.startswith("data: "):
-            yield kind, json.loads(line[len("data: "):])
 
 
 @dataclass

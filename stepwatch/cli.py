@@ -12,7 +12,7 @@ from typing import Any
 # name -> (module, help).  A module provides add_arguments(parser) and run(args) -> int.
 # Nested groups map a name to a dict of the same.
 COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
-    "demo": ("stepwatch.service.cli_demo", "run the main job on the embedded default and summarize"),
+    "demo": ("stepwatch.fault_injection.cli_demo", "run the main job on the embedded default and summarize"),
     "serve": ("stepwatch.service.cli_serve", "run the practice inference service (OpenAI-style image API)"),
     "sidecar": ("stepwatch.exporter.sidecar.cli_sidecar", "run the sidecar: NVML collector and quality prober"),
     "baseline": {
@@ -32,24 +32,24 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "eval": ("stepwatch.triage.cli_eval", "score triage on recorded scenarios"),
         "false-alarms": ("stepwatch.triage.cli_false_alarms",
                          "write false-alarm controls: every alert presented on a quiet recording"),
-        "in-hand": ("stepwatch.triage.cli_in_hand",
+        "in-hand": ("stepwatch.fault_injection.cli_in_hand",
                     "write a drill recording's other alerts (its block's also) as scenarios of their own"),
     },
     "bench": {
-        "overhead": ("stepwatch.exporter.cli_bench", "instrumentation overhead per step, bare vs instrumented"),
-        "service": ("stepwatch.service.cli_bench", "service throughput and latency vs the bare pipeline"),
-        "exposition": ("stepwatch.exporter.cli_bench_exposition",
+        "overhead": ("stepwatch.bench.cli_overhead", "instrumentation overhead per step, bare vs instrumented"),
+        "service": ("stepwatch.bench.cli_service", "service throughput and latency vs the bare pipeline"),
+        "exposition": ("stepwatch.bench.cli_exposition",
                        "series, bytes and render time of /metrics at fleet cardinality"),
-        "stream": ("stepwatch.exporter.bench_stream",
+        "stream": ("stepwatch.bench.stream",
                    "per-chunk cost of the hooks on chunked autoregressive video, bare vs instrumented"),
-        "fleet": ("stepwatch.fault_injection.bench_fleet",
+        "fleet": ("stepwatch.bench.fleet",
                   "a load test through the fleet's load balancer, side by side with direct requests"),
     },
     "fleet": {
         "up": ("stepwatch.fault_injection.cli_fleet",
                "the practice fleet: replicas behind haproxy, agents, HA evaluators, clustered Alertmanagers"),
     },
-    "gpu-check": ("stepwatch.exporter.cli_gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
+    "gpu-check": ("stepwatch.bench.cli_gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
 }
 
 _TOP_HELP = """\

@@ -1,4 +1,7 @@
-"""Child processes that die with their parent, shared by the service's ranks and the drills' neighbours.
+"""Processes and ports: child processes that die with their parent or stop with their group, free loopback ports.
+
+The practice stack, the replays, the service's ranks and the benchmarks all start children on free loopback
+ports; these are their one set of helpers.
 
 A parent killed by SIGKILL runs no clean-up, so its children would live on: a follower rank
 waiting out the gloo timeout, a busy-loop neighbour burning a CPU for good.  Linux's
@@ -12,8 +15,15 @@ that lives as long as they should (the main thread).
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
-from collections.abc import Callable
+import socket
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
 
 PR_SET_PDEATHSIG = 1
 
@@ -41,3 +51,89 @@ def die_with_parent() -> bool:
     if arm is not None:
         arm()
     return arm is not None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the project's one free-port helper)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit (143), so ``finally`` blocks stop children and restore faults.
+
+    CI stops a job with SIGTERM; Python's default for it ends the process at once,
+    leaving the service, Prometheus and a fault in place.  Only the main thread can
+    install a handler: elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Child:
+    """A child process with its output in a log file.
+
+    It leads a process group of its own (``start_new_session``), so ``stop()``
+    also ends what it started (the service's worker and rank processes).
+    """
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        except BaseException:
+            self._log.close()
+            raise
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 3000) -> str:
+        self._log.flush()
+        try:
+            return self.log_path.read_text()[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM to the child (it stops its own children), then SIGKILL to whatever is left of its group."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._kill_group()
+            if self.proc.poll() is None:
+                self.proc.wait(timeout=10)
+        finally:
+            self._log.close()
+
+    def crash(self) -> None:
+        """SIGKILL to the child's whole group, as a node or an OOM killer ends it: nothing runs its finally."""
+        self._kill_group()
+        self.proc.wait(timeout=10)
+        self._log.close()
+
+    def _kill_group(self) -> None:
+        # The group id is the child's pid (start_new_session); grandchildren that outlived it are still in it.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # the whole group is gone already

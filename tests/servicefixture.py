@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import httpx
 import yaml
 
 from stepwatch import httpclient
+from stepwatch.procs import free_port
 
 ADMIN_TOKEN = "test-admin-token"
 
@@ -33,13 +33,6 @@ TEST_CONFIG: dict[str, Any] = {
     "other_pool": {"slo_seconds": 30},
     "admin_token": ADMIN_TOKEN,
 }
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on now (the tests' one free-port helper)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _headers(h: httpx.Headers) -> dict[str, str]:

@@ -19,9 +19,9 @@ import yaml
 from stepwatch import httpclient
 from stepwatch.alerts import cli_rules, generate, gotemplate, promql, promtests, rulegen, stack
 from stepwatch.catalog import MEMORY_RATIO_BUCKETS, series_names
+from stepwatch.procs import free_port
 from stepwatch.thresholds import SEVERITIES, ThresholdsError, load, parse
 from tests.conftest import need_tool
-from tests.servicefixture import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "alerts"

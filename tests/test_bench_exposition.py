@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import disable_created_metrics, enable_created_metrics, generate_latest
 
-from stepwatch.exporter import bench_exposition as be
+from stepwatch.bench import exposition as be
 
 PER_SHAPE, PER_RANK, PER_GPU, EXPORTER_FIXED = 25, 6, 18, 45
 

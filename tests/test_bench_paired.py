@@ -1,4 +1,4 @@
-"""The paired estimate of bench overhead / bench stream (exporter/paired.py): what it reads on synthetic pairs
+"""The paired estimate of bench overhead / bench stream (bench/paired.py): what it reads on synthetic pairs
 whose answer is known, and when the crossover stops."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 import random
 from typing import Any
 
-from stepwatch.exporter.bench import StubPipeline, crossover
-from stepwatch.exporter.paired import StopRule, paired_difference, paired_ratio, trimmed_mean
+from stepwatch.bench.overhead import StubPipeline, crossover
+from stepwatch.bench.paired import StopRule, paired_difference, paired_ratio, trimmed_mean
 
 
 def _pairs(cost: float, n: int, seed: int = 1) -> tuple[list[float], list[float]]:
@@ -86,7 +86,7 @@ def test_a_registry_instrumented_and_let_go_is_freed() -> None:
 
 
 def test_processes_that_disagree_widen_the_pooled_interval() -> None:
-    from stepwatch.exporter.paired import pooled_ratio
+    from stepwatch.bench.paired import pooled_ratio
 
     ratio, (lo, hi) = pooled_ratio([1.0, 1.0, 1.0])
     assert ratio == lo == hi == 1.0
@@ -100,7 +100,7 @@ def test_bench_stream_pools_its_processes(monkeypatch: Any, capsys: Any) -> None
     import argparse
     import json
 
-    from stepwatch.exporter import bench_stream
+    from stepwatch.bench import stream as bench_stream
 
     runs = iter([{"ratio": 1.02, "ci95": [1.01, 1.03]}, None, {"ratio": 1.0, "ci95": [0.99, 1.01]}])
     base = {"chunk_ms_bare": 60.0, "chunk_ms_instrumented": 61.0, "hooks_us_per_chunk": 12.0, "rounds": 96,
@@ -127,7 +127,7 @@ def test_each_round_calls_both_variants_at_one_depth_and_the_depths_cover_the_sp
     both variants of a round must start at the same depth, and the rounds must cover the span evenly."""
     import inspect
 
-    from stepwatch.exporter.bench import DEPTH_SPAN, at_depth, round_depth
+    from stepwatch.bench.overhead import DEPTH_SPAN, at_depth, round_depth
 
     def frames() -> int:
         return len(inspect.stack(0))

@@ -16,11 +16,12 @@ import pytest
 
 from stepwatch.fault_injection import recording
 from stepwatch.fault_injection.criteria import load as load_criteria
-from stepwatch.fault_injection.drills import DrillResult, Runner, _Watch
+from stepwatch.fault_injection.drill import DrillResult
 from stepwatch.fault_injection.recording import revision
 from stepwatch.fault_injection.registry import ALL_DRILLS, BY_NAME_ONLY, DRILLS, SEED_DRILLS
 from stepwatch.fault_injection.report import render_markdown
-from stepwatch.fault_injection.stack import Notification, starts_at
+from stepwatch.fault_injection.runner import Runner, _Watch
+from stepwatch.fault_injection.webhook import Notification, starts_at
 from stepwatch.promapi import Sample
 from stepwatch.runbooks.parse import CAUSES, load_drills, runbooks_dir
 from stepwatch.thresholds import load
@@ -264,7 +265,7 @@ def test_cpu_neighbour_dies_with_a_killed_drill_runner() -> None:
     cpu = min(os.sched_getaffinity(0))
     runner = subprocess.Popen(
         [sys.executable, "-c", "import time\n"
-         "from stepwatch.fault_injection.drills import start_neighbours\n"
+         "from stepwatch.fault_injection.neighbours import start_neighbours\n"
          f"print(start_neighbours([{cpu}], 1)[0].pid, flush=True)\ntime.sleep(60)\n"],
         stdout=subprocess.PIPE, text=True)
     assert runner.stdout is not None
@@ -352,7 +353,7 @@ def test_off_menu_p50_is_each_sizes_own_median_from_the_clients() -> None:
     is not, whatever the mix."""
     from types import SimpleNamespace
 
-    from stepwatch.fault_injection.stack import Traffic
+    from stepwatch.fault_injection.traffic import Traffic
 
     t = Traffic("http://127.0.0.1:9", [])
     for i in range(10):
@@ -376,7 +377,7 @@ def test_arrivals_keep_coming_while_the_service_holds_them() -> None:
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from stepwatch.fault_injection.stack import Arrivals
+    from stepwatch.fault_injection.traffic import Arrivals
 
     release, seen = threading.Event(), []
 

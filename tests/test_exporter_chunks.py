@@ -117,7 +117,7 @@ def test_a_call_that_fails_mid_stream_counts_its_finished_chunks_and_lets_its_ca
 
 
 def test_bench_stream_pairs_bare_and_instrumented_calls() -> None:
-    from stepwatch.exporter.bench_stream import measure
+    from stepwatch.bench.stream import measure
 
     r = measure(rounds=2, steps=2)
     assert r["chunks"] == 4 and r["rounds"] == 2

@@ -14,8 +14,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from stepwatch.bench.overhead import StubPipeline
 from stepwatch.exporter import instrument, uninstrument
-from stepwatch.exporter.bench import StubPipeline
 from stepwatch.exporter.request import (
     RequestMarks,
     ResolveContext,

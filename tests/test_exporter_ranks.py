@@ -328,9 +328,9 @@ def test_a_shipper_sends_each_stamp_once_and_lets_a_finished_request_go() -> Non
 def test_the_store_channel_carries_chunks_through_a_real_tcpstore() -> None:
     import torch.distributed as dist
 
-    from tests.test_service_ranks import _free_port
+    from stepwatch.procs import free_port
 
-    port = _free_port()
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
     follower, leader = StoreChannel(client, 2), StoreChannel(server, 2)
@@ -463,12 +463,12 @@ def test_a_chunk_goes_as_json_and_anything_else_on_the_queue_is_skipped() -> Non
 
     import torch.distributed as dist
 
-    from tests.test_service_ranks import _free_port
+    from stepwatch.procs import free_port
 
     c = Chunk(1, 5.0, marks={3: (2, _flat([(1.0, 2.5)]))}, ended={3: 8}, ended_cpu_wait={3: 0.25},
               began={3: 0.5}, in_since=None, progress=2.5, inflight=True, request=3, cpu_wait=1.5)
     assert Chunk.decode(c.encode()) == c
-    port = _free_port()
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
     leader = StoreChannel(server, 2)
     server.queue_push("stepwatch/ranks/1", pickle.dumps(c))  # not ours: never unpickled
@@ -481,9 +481,9 @@ def test_a_follower_stops_pushing_when_rank_0_stops_popping() -> None:
     import torch.distributed as dist
 
     from stepwatch.exporter.ranks import MAX_QUEUED_CHUNKS
-    from tests.test_service_ranks import _free_port
+    from stepwatch.procs import free_port
 
-    server = dist.TCPStore("127.0.0.1", _free_port(), 2, is_master=True, wait_for_workers=False)
+    server = dist.TCPStore("127.0.0.1", free_port(), 2, is_master=True, wait_for_workers=False)
     follower = StoreChannel(server, 2)
     for i in range(MAX_QUEUED_CHUNKS + 5):
         follower.send(Chunk(1, float(i)))
@@ -510,7 +510,7 @@ def test_bench_shipping_ticks_only_while_its_variant_is_timed() -> None:
     per interval of the "now" variant's time, summed over requests shorter than the interval."""
     import time
 
-    from stepwatch.exporter.bench_ranks import _Shipping
+    from stepwatch.bench.ranks import _Shipping
 
     ticks: list[float] = []
     ship = _Shipping(lambda: ticks.append(time.monotonic()), interval=0.1)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from stepwatch.bench.overhead import StubPipeline
 from stepwatch.exporter import instrument, patches, uninstrument
-from stepwatch.exporter.bench import StubPipeline
 from stepwatch.exporter.publish import Publisher
 from stepwatch.exporter.request import RequestMarks, ResolveContext, resolve
 from stepwatch.exporter.shapes import ShapeKey, ShapeLabeler
@@ -342,7 +342,7 @@ def test_warmup_active_follows_the_warmup_phase() -> None:
 def test_bench_crossover_moves_the_instrumentation_between_the_two_pipelines() -> None:
     """bench overhead / bench stream: each pipeline spends half the rounds instrumented (two objects built alike
     differ by a few percent on a shared VM; the crossover cancels it), with a discarded call after each swap."""
-    from stepwatch.exporter.bench import crossover
+    from stepwatch.bench.overhead import crossover
     from stepwatch.exporter.instrument import ATTR
 
     pipes = (StubPipeline(), StubPipeline())

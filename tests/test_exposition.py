@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, Summary, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from stepwatch.bench.overhead import StubPipeline
 from stepwatch.exporter import instrument
-from stepwatch.exporter.bench import StubPipeline
 from stepwatch.exporter.sidecar.nvml import NvmlCollector
 from stepwatch.exposition import Renderer, serve_metrics
 from tests.fakes import FakeNvml

@@ -16,7 +16,7 @@ import yaml
 from stepwatch.alerts import fleet as fcfg
 from stepwatch.alerts.stack import SERVICE_JOB
 from stepwatch.fault_injection import queries
-from stepwatch.fault_injection.stack import free_port
+from stepwatch.procs import free_port
 from stepwatch.service.balancer import haproxy_binary, haproxy_config, in_flight, runtime_command, set_state
 
 
@@ -118,7 +118,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.mark.heavy
 def test_load_through_the_balancer_at_three_replicas(fleet: Any) -> None:
-    from stepwatch.fault_injection.bench_fleet import measure
+    from stepwatch.bench.fleet import measure
     from stepwatch.promapi import Prometheus
 
     for url in fleet.evaluators:  # every target reached both evaluators through the node agents
@@ -133,7 +133,7 @@ def test_load_through_the_balancer_at_three_replicas(fleet: Any) -> None:
         status = httpx.get(url + "/api/v2/status", timeout=5).json()
         assert status["cluster"]["status"] == "ready" and len(status["cluster"]["peers"]) == 2, status
     r = measure(fleet, requests=30, concurrency=3)
-    from stepwatch.fault_injection.bench_fleet import scale
+    from stepwatch.bench.fleet import scale
 
     s = scale(fleet)
     assert r["answered"] == r["sent"] == 60, r["codes"]
@@ -185,9 +185,9 @@ def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
     right, nothing else critical, resolved; their own checks hold (routed around, a lost node's series gone
     with no `up 0`, only the crowded instance named, only the drifted replica's quality dropped and the
     rollout's drain cost no request)."""
+    from stepwatch.fault_injection.drill_hook import triage_for_drill
     from stepwatch.fault_injection.fleet_drills import FLEET_DRILLS, run_fleet_drills
     from stepwatch.thresholds import load
-    from stepwatch.triage.drill_hook import triage_for_drill
 
     th = load()
     # By name and from their recordings, not here: the suite keeps to its 45 minutes (stop 32's CI took 56, and

@@ -10,7 +10,6 @@ still hits, and every request's rank stamps reach rank 0 (the exporter itself ad
 from __future__ import annotations
 
 import json
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,17 +17,13 @@ from typing import Any
 
 import pytest
 
+from stepwatch.procs import free_port
+
 pytestmark = pytest.mark.heavy
 
 PROMPTS = ("a red fox in snow", "city at night", "a bowl of fruit", "mountain lake", "portrait of a cat")
 REQUESTS = 8
 DURATION_S = 180  # the report's hang came at ~100 s: past it with margin (five minutes cost the suite 5.4 of them)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:
@@ -76,7 +71,7 @@ def test_two_ranks_agree_on_every_cache_decision_and_never_hang(tmp_path: Path) 
     import torch.multiprocessing as mp
 
     out = tmp_path / "ranks.json"
-    mp.spawn(_rank, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(out)), nprocs=2, join=True)
     result = json.loads(out.read_text())
     rank0, rank1 = result["decisions"]
     assert len(rank0) == len(rank1) == REQUESTS  # every request ended on both ranks
@@ -90,7 +85,7 @@ def test_two_rank_service_with_a_cpu_bound_neighbour_answers_every_request_for_t
     """The operator's report: two ranks, FirstBlockCache on, CPU-bound processes beside a rank, traffic;
     the service hung after ~100 s.  Here every request of three minutes of that traffic must be answered,
     and the rank timing must charge the crowded rank."""
-    from stepwatch.fault_injection.drills import start_neighbours
+    from stepwatch.fault_injection.neighbours import start_neighbours
     from tests.promtext import value
     from tests.servicefixture import ServiceProc
 
@@ -177,7 +172,7 @@ def test_the_stamps_survive_torch_compile_on_two_ranks(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
     out = tmp_path / "compiled.json"
-    mp.spawn(_compiled_rank, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_compiled_rank, args=(2, free_port(), str(out)), nprocs=2, join=True)
     result = json.loads(out.read_text())
     counts = {q: len(marks) for q, marks in result["stamps"].items()}
     assert set(counts) == {"0", "1", "2"} and len(set(counts.values())) == 1 and counts["0"] > 0, counts

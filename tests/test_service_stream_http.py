@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from stepwatch.service.sessions import parse_sse
+from stepwatch.sse import parse_sse
 from tests.promtext import total, value
 from tests.servicefixture import ServiceProc
 from tests.test_exposition_lint import assert_lint_clean

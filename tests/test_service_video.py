@@ -288,7 +288,7 @@ def test_the_distilled_configuration_is_few_step_without_a_cache() -> None:
 def test_bench_service_config_and_video_table() -> None:
     """`bench service` starts the service with a config it accepts (video on for the measured shape, off without
     one), and its video rows read per job and per frame."""
-    from stepwatch.service import bench
+    from stepwatch.bench import service as bench
 
     v = bench.VideoBench("128x128", 9, 4, 3)
     cfg = parse(bench.bench_config("512x512", 8, v))

@@ -22,6 +22,7 @@ from starlette.testclient import TestClient
 
 from stepwatch import httpclient
 from stepwatch.alerts import rulegen
+from stepwatch.procs import free_port
 from stepwatch.promapi import PromError, Sample
 from stepwatch.runbooks.parse import CAUSES, load_all
 from stepwatch.thresholds import load
@@ -39,7 +40,6 @@ from stepwatch.triage.engine import (
     webhook_payload,
 )
 from stepwatch.triage.receiver import TriageServer
-from tests.servicefixture import free_port
 
 TH = load()
 

@@ -19,6 +19,7 @@ import pytest
 
 from stepwatch import httpclient
 from stepwatch.alerts import rulegen, stack
+from stepwatch.procs import free_port
 from stepwatch.promapi import Alertmanager
 from stepwatch.thresholds import load
 from stepwatch.triage import render, scoring
@@ -29,7 +30,6 @@ from stepwatch.triage.receiver import TriageServer
 from stepwatch.triage.record import load_scenario, record_scenario
 from stepwatch.triage.replay import Replay
 from tests.fakes import Recorder
-from tests.servicefixture import free_port
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "triage" / "scenarios"
 # Skipped when missing, failed under STEPWATCH_REQUIRE_TOOLS=1 (./dev test, CI): see tests/conftest.py.

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from stepwatch.fault_injection.stack import exit_on_sigterm
+from stepwatch.procs import exit_on_sigterm
 from stepwatch.triage.evaluate import correct_count, default_scenarios, evaluate_all, scenario_dirs, summary_line, table
 from stepwatch.triage.scoring import alert_table, summarize
 

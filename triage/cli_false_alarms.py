@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from stepwatch.alerts.defs import ALERTS
-from stepwatch.fault_injection.stack import exit_on_sigterm
+from stepwatch.procs import exit_on_sigterm
 from stepwatch.triage.false_alarms import TWO_RANK_ALERTS, write_false_alarms
 from stepwatch.triage.record import load_scenario
 

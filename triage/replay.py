@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stepwatch.fault_injection.stack import Child, free_port
+from stepwatch.procs import Child, free_port
 from stepwatch.promapi import PromError, Prometheus
 from stepwatch.triage.record import SAMPLES_FILE, load_scenario
 
-__all__ = ["Replay", "ReplayError", "free_port"]
+__all__ = ["Replay", "ReplayError"]
 
 
 class ReplayError(RuntimeError):

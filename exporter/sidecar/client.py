@@ -20,6 +20,7 @@ from numpy.typing import NDArray
 
 from stepwatch import httpclient
 from stepwatch.exporter.sidecar.config import ProbeItem
+from stepwatch.sse import parse_sse  # the same reader as the drills'
 
 # http_<code> for the codes the service documents (and proxies commonly add); anything else is http_other.
 HTTP_CODES = (400, 401, 403, 404, 408, 413, 422, 429, 500, 502, 503, 504, 507)
@@ -192,8 +193,6 @@ class ServiceClient:
     def generate_stream(self, item: ProbeItem, timeout_s: float) -> Generated:
         """A stream probe as a viewer runs one: open the session, read its chunks as they stream, keep each
         chunk's last frame.  ``timeout_s`` covers the whole session; a session that fails counts by its reason."""
-        from stepwatch.service.sessions import parse_sse  # the same reader as the drills'
-
         t0 = time.monotonic()
         frames: list[NDArray[np.uint8]] = []
         pngs: list[bytes] = []

@@ -19,7 +19,6 @@ the queue, the worker hop, the MP4 encoding and the polling).
 from __future__ import annotations
 
 import base64
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from stepwatch import httpclient
 from stepwatch.exporter import instrument
+from stepwatch.procs import free_port
 from stepwatch.service.cache import apply_cache
 from stepwatch.service.config import load, parse_size
 from stepwatch.service.pipeline import build_pipeline, prompt_words
@@ -64,12 +64,6 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def bench_config(size: str, steps: int, video: VideoBench | None = None) -> dict[str, Any]:
     """The service config the bench runs: compile off, one pool for ``size``, no memory budget, long SLOs (the
     bench measures, the queue must not shed), video jobs of ``video``'s one shape (or video off)."""
@@ -85,7 +79,7 @@ def bench_config(size: str, steps: int, video: VideoBench | None = None) -> dict
 def running_service(size: str, steps: int, video: VideoBench | None = None) -> Iterator[str]:
     """``stepwatch serve`` on a free loopback port (compile off, one pool for ``size``, video jobs of ``video``'s
     shape when given), ready: its URL."""
-    port = _free_port()
+    port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="stepwatch-bench-"))
     conf = bench_config(size, steps, video)
     (tmp / "bench.yaml").write_text(yaml.safe_dump(conf))

@@ -26,9 +26,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
+from stepwatch.bench.overhead import StubPipeline
 from stepwatch.catalog import METRICS
 from stepwatch.exporter import instrument
-from stepwatch.exporter.bench import StubPipeline
 from stepwatch.exporter.ranks import PerRequestReporter, publish_ranks
 from stepwatch.exporter.sidecar.nvml import NvmlCollector
 from stepwatch.exporter.sidecar.prober import quality_metrics

@@ -18,7 +18,7 @@ measures just the hooks' own cost on a stub pipeline with no compute (seconds):
 per extra step (``hooks_per_step_us``) and once per request, per configuration.
 The ``stream`` case is ``bench stream`` (per chunk of the causal FAR pipeline).
 The ``two_ranks`` case runs two gloo ranks with the rank timing of today and of
-before side by side (exporter/bench_ranks.py).
+before side by side (bench/ranks.py).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import subprocess
 import sys
 from typing import Any
 
-from stepwatch.exporter import bench
-from stepwatch.exporter.paired import BUDGET_S, PRECISION, StopRule
+from stepwatch.bench import overhead as bench
+from stepwatch.bench.paired import BUDGET_S, PRECISION, StopRule
 
 TWO_RANKS = "two_ranks"
-STREAM = "stream"  # the chunked causal FAR pipeline, per chunk (exporter/bench_stream.py)
+STREAM = "stream"  # the chunked causal FAR pipeline, per chunk (bench/stream.py)
 EXTRA_CASES = (TWO_RANKS, STREAM)
 
 
@@ -103,7 +103,7 @@ def _calibration(args: argparse.Namespace, cases: list[tuple[str, bench.RealCase
 
 
 def _two_ranks(rounds: int) -> dict[str, Any]:
-    from stepwatch.exporter import bench_ranks  # spawns two gloo ranks
+    from stepwatch.bench import ranks as bench_ranks  # spawns two gloo ranks
 
     print(f"  running {TWO_RANKS}: two gloo ranks, bare / rank timing before / now, {rounds} rounds...",
           file=sys.stderr)

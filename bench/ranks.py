@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import socket
 import statistics
 import tempfile
 import threading
@@ -25,7 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from stepwatch.exporter.bench import _ci
+from stepwatch.bench.overhead import _ci
 from stepwatch.exporter.ranks import (
     _TARGET,
     INTERVAL_S,
@@ -35,6 +34,7 @@ from stepwatch.exporter.ranks import (
     publish_ranks,
     stamping,
 )
+from stepwatch.procs import free_port
 
 VARIANTS = ("bare", "before", "now")
 
@@ -133,12 +133,6 @@ class _Shipping:
                     self._tick()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _pipelines(world: int) -> dict[str, Any]:
     """Three identical tiny FLUX pipelines split over the ranks; two instrumented."""
     from diffusers import ContextParallelConfig
@@ -229,7 +223,7 @@ def two_rank_case(rounds: int = 40, size: int = 256, steps: int = 4) -> dict[str
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        mp.spawn(_rank, args=(2, _free_port(), str(out), rounds, size, steps), nprocs=2, join=True)
+        mp.spawn(_rank, args=(2, free_port(), str(out), rounds, size, steps), nprocs=2, join=True)
         times: dict[str, list[float]] = json.loads(out.read_text())
     result: dict[str, Any] = {"shape": f"{size}x{size}_{steps}s", "ranks": 2, "rounds": rounds,
                               "request_ms": {v: round(statistics.median(times[v]) * 1e3, 3) for v in VARIANTS},

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from stepwatch.service import bench
+from stepwatch.bench import service as bench
 from stepwatch.service.config import ConfigError, parse_size
 
 

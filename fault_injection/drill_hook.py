@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from stepwatch.fault_injection.drills import DrillResult
+from stepwatch.fault_injection.drill import DrillResult
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.triage.engine import Engine, firing_at
 from stepwatch.triage.render import incident_terminal, terminal

@@ -1,4 +1,4 @@
-"""Instrumentation overhead, measured (``stepwatch bench overhead``; see cli_bench for the method).
+"""Instrumentation overhead, measured (``stepwatch bench overhead``; see cli_overhead for the method).
 
 The stub pipeline isolates the hooks' own host cost; ``run_case`` measures a real
 pipeline bare and instrumented, interleaved and paired so drift cancels.
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
+from stepwatch.bench.paired import StopRule, paired_difference, paired_ratio
 from stepwatch.exporter import instrument
-from stepwatch.exporter.paired import StopRule, paired_difference, paired_ratio
 from stepwatch.service.cache import apply_cache
 from stepwatch.service.pipeline import build_pipeline
 
@@ -226,7 +226,7 @@ def stub_case(name: str, calls: int = 6000) -> dict[str, Any]:
 
 
 def _ci(values: list[float]) -> tuple[float, float]:
-    """95% bootstrap interval of the median of ``values`` (bench_ranks' rows; the paired rows use paired.py)."""
+    """95% bootstrap interval of the median of ``values`` (bench/ranks.py's rows; the paired rows use paired.py)."""
     rng = random.Random(0)
     meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(400))
     return meds[10], meds[389]

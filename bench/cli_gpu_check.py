@@ -26,7 +26,7 @@ import sys
 from functools import partial
 from typing import Any
 
-from stepwatch.exporter import gpu_check
+from stepwatch.bench import gpu_check
 from stepwatch.exporter.report import RequestReport
 
 

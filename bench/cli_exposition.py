@@ -1,7 +1,7 @@
 """``stepwatch bench exposition``: series, bytes and render time of one ``/metrics`` at fleet cardinality.
 
 Service cases: 1, 16 and 50 allowlisted shapes, 1 and 8 ranks; sidecar: 8 GPUs and one probe set
-(see ``stepwatch.exporter.bench_exposition`` for what each case holds).  The budget the service
+(see ``stepwatch.bench.exposition`` for what each case holds).  The budget the service
 must meet at 50 shapes x 8 ranks (docs/contracts.md): <= 3,000 series, <= 10 ms median render.
 """
 
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         print("bench exposition: --renders must be at least 1", file=sys.stderr)
         return 2
     print("building the instrumented stub and the service's metrics per case...", file=sys.stderr)
-    from stepwatch.exporter import bench_exposition  # heavy: the stub, the service's config
+    from stepwatch.bench import exposition as bench_exposition  # heavy: the stub, the service's config
 
     print(f"{'target':<9}{'case':<22}{'series':>8}{'bytes':>10}{'ms p50':>10}{'ms p99':>9}")
     cases = bench_exposition.run_all(renders=args.renders, progress=_row)

@@ -2,7 +2,7 @@
 
 Two pipelines built from the same seed, one instrumented, called in alternating order round by round (so the
 host's drift cancels in each pair); per round the instrumented call's time over the bare one's is a paired
-ratio; their trimmed mean and its block-bootstrap interval (exporter/paired.py) are measured until the
+ratio; their trimmed mean and its block-bootstrap interval (bench/paired.py) are measured until the
 interval is within --precision.  The instrumented side moves
 to the other pipeline every few rounds (a crossover), because two pipelines built alike are not equally
 fast on this VM.  The chunk's own time is the call's time over its chunks (text encoding
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stepwatch.exporter.paired import (
+from stepwatch.bench.paired import (
     BUDGET_S,
     PRECISION,
     StopRule,
@@ -116,7 +116,7 @@ def hooks_cost_us(inst: Any, calls: int = 20000) -> float:
 def _crossover(rounds: int, steps: int, block: int, progress: Callable[[str], None],
                stop: StopRule | None) -> tuple[dict[str, list[float]], Any]:
     """The calls of bench.crossover on two FAR pipelines built alike, timed."""
-    from stepwatch.exporter.bench import crossover
+    from stepwatch.bench.overhead import crossover
     from stepwatch.service.pipeline import build_pipeline
 
     def report(r: int, out: dict[str, list[float]]) -> None:

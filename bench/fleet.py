@@ -135,7 +135,7 @@ def measure(fleet: FleetStack, requests: int, concurrency: int) -> dict[str, Any
 def scale(fleet: FleetStack) -> dict[str, Any]:
     """The scale table's inputs on this fleet, and a production pod's series (50 shapes, 8 ranks, 8 GPUs) from
     the exposition benchmark."""
-    from stepwatch.exporter.bench_exposition import service_case, sidecar_case
+    from stepwatch.bench.exposition import service_case, sidecar_case
     from stepwatch.fault_injection.fleet_scale import measure_scale
 
     svc, sc = service_case(50, 8, renders=1)["series"], sidecar_case(8, renders=1)["series"]

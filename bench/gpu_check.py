@@ -1,6 +1,6 @@
 """The GPU check's steps: build a FLUX.1-dev-shaped pipeline, prove no hook synchronizes, compare
 event and synchronized step times, and measure MFU.  What it proves and how to run it is
-``stepwatch gpu-check --help`` (exporter/cli_gpu_check.py).
+``stepwatch gpu-check --help`` (bench/cli_gpu_check.py).
 """
 
 from __future__ import annotations
