@@ -19,7 +19,7 @@ The wiring is the one fleets run:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ def _static(job: str, urls: Sequence[str], pods: dict[str, str]) -> dict[str, An
     return {"job_name": job, "metrics_path": targets[0][2] or "/metrics", "static_configs": groups}
 
 
-def agent_config(node: str, jobs: dict[str, Sequence[str]], remote_write: Sequence[str], profile: str = "drill",
+def agent_config(node: str, jobs: Mapping[str, Sequence[str]], remote_write: Sequence[str], profile: str = "drill",
                  thresholds: Thresholds | None = None, pods: dict[str, str] | None = None) -> str:
     """A node's agent: scrape ``jobs`` ({job: [metrics URLs]}) and remote-write every sample to each central
     store (``http://host:port``; the receiver's path is added).  ``pods`` ({metrics URL: replica}) labels each

@@ -148,7 +148,7 @@ def _pipelines(world: int) -> dict[str, Any]:
         pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
         pipes[name] = pipe
     now = RankReporter(interval=None)  # shipped by _Shipping, only while "now" is timed
-    reporters = {"before": LegacyRankReporter(), "now": now}
+    reporters: dict[str, Any] = {"before": LegacyRankReporter(), "now": now}
     for name, rep in reporters.items():
         rep.uninstall()  # installed per request below: the wrapper is module-global
         instrument(pipes[name], registry=CollectorRegistry(), rank_reporter=rep)

@@ -171,7 +171,7 @@ def encode_kv_cache(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[.
             except Exception as e:
                 inst._guard.fail(patches.ENCODE_KV_CACHE, e)
         out = fn(*args, **kwargs)
-        if stream is not None:
+        if req is not None and stream is not None:
             try:
                 inst._kv_read(req, out, args[1] if len(args) > 1 else kwargs.get("kv_cache_flag"))
             except Exception as e:

@@ -95,11 +95,15 @@ class ReplicaLost(FleetDrill):
         stack.restart(f"{self.target}-sidecar", _sidecar_ready(stack, self.target))
 
     def after(self, stack: Any, r: DrillResult) -> None:
-        """Only requests in flight on the lost replica failed: at most one per client, every other one answered."""
-        t = stack.active_traffic
-        failed = sum(n for c, n in t.codes.items() if c != 200) if t is not None else 0
-        r.details["failed_in_flight"] = failed
-        r.checks["only_in_flight_failed"] = t is not None and failed <= t.concurrency and t.codes.get(200, 0) > 0
+        _only_in_flight_failed(stack, r)
+
+
+def _only_in_flight_failed(stack: Any, r: DrillResult) -> None:
+    """Only requests in flight on the lost replicas failed: at most one per client, every other one answered."""
+    t = stack.active_traffic
+    failed = sum(n for c, n in t.codes.items() if c != 200) if t is not None else 0
+    r.details["failed_in_flight"] = failed
+    r.checks["only_in_flight_failed"] = t is not None and failed <= t.concurrency and t.codes.get(200, 0) > 0
 
 
 def _named_by(stack: Any, alertname: str, label: str) -> list[str]:
@@ -249,7 +253,7 @@ class NodeLost(NodeDrill):
         self.restart_agent(stack)
 
     def after(self, stack: Any, r: DrillResult) -> None:
-        ReplicaLost.after(self, stack, r)
+        _only_in_flight_failed(stack, r)
 
 
 class AgentLost(NodeDrill):

@@ -259,7 +259,7 @@ def judge_arrivals(drill: Drill, r: DrillResult) -> None:
 class WorkerKilled(Drill):
     name = "worker-killed"
     doc_id = "worker_killed"
-    companions = ("probe_failing", "queue_wait", "target_down")
+    companions: tuple[str, ...] = ("probe_failing", "queue_wait", "target_down")
     health_turns_red = True  # not ready while the new worker warms up: checked, not a failure
     baseline_accepts = frozenset({200, 503})  # in flight when it died, or sent while the new one warms up
     description = ("The worker process is killed (an OOM killer, a segfault in a kernel): requests in flight "

@@ -35,7 +35,7 @@ def _evidence_trail(verdict: dict[str, Any] | None) -> str:
     return f" (triage {status}: {', '.join(trail) or 'no checks ran'})"
 
 
-def _attempt(r: DrillResult, what: str, fn: Callable[[], None]) -> None:
+def _attempt(r: DrillResult, what: str, fn: Callable[[], object]) -> None:
     """Run one phase of a drill; a failure is recorded on the report, never raised (later phases still run)."""
     try:
         fn()

@@ -180,7 +180,7 @@ class VideoWorkerKilled(WorkerKilled):
 
     name = "video-worker-killed"
     doc_id = "video_worker_killed"
-    companions = ("error_ratio", *WorkerKilled.companions)
+    companions: tuple[str, ...] = ("error_ratio", *WorkerKilled.companions)
     description = ("The worker process killed (SIGKILL) while it generates a video job: that job fails with "
                    "worker_died after its client was answered 202, the service restarts the worker. The failed-jobs "
                    "alert fires and triage names the crash, not an OOM or the pipeline; the next job succeeds.")

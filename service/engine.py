@@ -333,7 +333,7 @@ class Service:
                 return call.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except FutureTimeout:
                 busy = self.inflight.busy()
-                if restart_due(busy, self.stall):
+                if busy is not None and restart_due(busy, self.stall):
                     raise _Stalled(busy) from None
                 if time.monotonic() >= deadline:
                     raise
@@ -502,11 +502,12 @@ class Service:
         worker: dict[str, Any] = {}
         if self.ready:
             try:
-                worker = dict(self.worker.call({"op": "info", "id": ""}).result(timeout=30))
+                worker = {**self.worker.call({"op": "info", "id": ""}).result(timeout=30)}
             except Exception:
                 worker = {}
         if worker.get("pid") is None:  # warming up, or answering nothing: the process's own pid, if one runs
             worker["pid"] = self.worker.pid()
+        ready = self.worker.ready_info
         return {
             "instance_id": self.instance_id, "fingerprint": self.fingerprint,
             "fingerprint_id": fingerprint_id(self.fingerprint) if self.fingerprint else None,
@@ -518,7 +519,7 @@ class Service:
             "video": self._video_info(),
             "worker": {**{k: worker.get(k) for k in ("pid", "rss_bytes", "vm_bytes", "budget_bytes")},
                        # from the ready message: known even while the worker is stuck and answers nothing
-                       "ranks": (self.worker.ready_info or {}).get("ranks") or []},
+                       "ranks": (ready.get("ranks") if ready is not None else None) or []},
             "uptime_seconds": round(time.time() - self.started, 1),
         }
 

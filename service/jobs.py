@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from stepwatch.metrics import ServiceMetrics
 from stepwatch.service.api import ApiError, GenerationRequest
 from stepwatch.service.config import ServiceConfig
-from stepwatch.service.messages import ProgressMsg, Reply
+from stepwatch.service.messages import ProgressMsg, Reply, ResultMsg
 from stepwatch.service.queue import Ticket
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
@@ -95,7 +95,7 @@ class VideoJobs:
         self._by_call: dict[str, Job] = {}
         self._seq = 0
         self._lock = threading.Lock()
-        self.on_result: Callable[[Job, Reply], None] | None = None  # the service observes the run's seconds
+        self.on_result: Callable[[Job, ResultMsg], None] | None = None  # the service observes the run's seconds
         self.zero()
 
     def zero(self) -> None:
@@ -197,7 +197,7 @@ class VideoJobs:
             self._end(job, FAILED, _job_error("internal_error", f"unexpected reply {reply['op']!r}"))
             return
         if self.on_result is not None:
-            self.on_result(job, reply)
+            self.on_result(job, cast(ResultMsg, reply))
         job.content = reply["images"][0]
         job.content_type = reply.get("content_type", job.content_type)
         frames = int(reply.get("frames", job.req.frames))

@@ -24,7 +24,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -265,7 +265,8 @@ class StreamSessions:
 
     # ----- the session's thread ---------------------------------------------------------------
     def _run(self, s: LiveSession) -> None:
-        outcome, reason, message = "done", "done", ""
+        outcome: Literal["done", "closed", "failed"] = "done"
+        reason, message = "done", ""
         failure: BaseException | None = None
         try:
             with s.slot.inst.stream_session(opened_at=s.opened_at):

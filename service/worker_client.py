@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 from stepwatch.service.config import ServiceConfig
 from stepwatch.service.messages import (
@@ -138,7 +138,7 @@ class WorkerClient:
             with self._lock:
                 fut = self._pending.pop(str(msg.get("id")), None)
             if fut is not None and not fut.done():
-                fut.set_result(msg)
+                fut.set_result(cast(Reply, msg))
 
     def call(self, msg: Request) -> Future[Reply]:
         """Send a request; the Future gets its reply, or WorkerDied."""

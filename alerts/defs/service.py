@@ -57,11 +57,12 @@ def _errors_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
 def _errors_cases(p: Timing) -> list[Case]:
     fire = p.s + p.F
     n = p.n(fire + p.s)
-    codes = {"large": {"200": 100 - 100 * p.T * 1.1, "500": 60 * p.T * 1.1, "507": 40 * p.T * 1.1},
-             "small": {"200": 100 - 100 * p.T * 0.9, "503": 100 * p.T * 0.9, "429": 10},
-             "other": {"200": 10},
-             # every request fails, but a handful in the window: below min_requests, silent
-             "idle": {"507": 0.05}}
+    codes: dict[str, dict[str, float]] = {
+        "large": {"200": 100 - 100 * p.T * 1.1, "500": 60 * p.T * 1.1, "507": 40 * p.T * 1.1},
+        "small": {"200": 100 - 100 * p.T * 0.9, "503": 100 * p.T * 0.9, "429": 10},
+        "other": {"200": 10},
+        # every request fails, but a handful in the window: below min_requests, silent
+        "idle": {"507": 0.05}}
     series = [Series("stepwatch_service_requests_total", {"job": SVC, "instance": I1, "pool": pool, "code": c},
                      ramp(round(v, 9), n)) for pool, cs in codes.items() for c, v in cs.items()]
     return [Case(p.spec.key, "pool large just over (500 + 507), pool small just under (429 is not an error), "
