@@ -82,16 +82,18 @@ class StreamSession:
         return self.events.qsize()
 
 
+SESSION_FIELDS = ("prompt", "size", "chunks", "steps", "seed")
+
+
 def parse_request(body: Any, cfg: ServiceConfig) -> dict[str, Any]:
-    """A session's opening request, checked: a 400 that names the field, as the images API does."""
+    """A session's opening request, checked as a video job's is: unknown fields, types, the size menu, the prompt's
+    text and the chunk and step ranges each get a 400 that names the field."""
     if not isinstance(body, dict):
-        raise api.ApiError(400, "the body must be a JSON object", None, "invalid_type")
+        raise api.ApiError(400, "request body must be a JSON object", None, "invalid_json")
     st = cfg.stream
-    prompt = prompt_of(body)
-    size = body.get("size") or st.default_size
-    if size not in st.sizes:
-        raise api.ApiError(400, f"'size' must be one of {', '.join(st.sizes)}", "size")
-    w, h = parse_size(size)
+    api.refuse_unknown(body, SESSION_FIELDS, "a streaming session")
+    prompt = api.prompt_field(body)
+    w, h = parse_size(api.size_choice(body, st.sizes, st.default_size, "a stream size"))
     return {"prompt": prompt, "width": w, "height": h, "seed": api.int_field(body, "seed", 0, 0, 2**32 - 1),
             "chunks": api.int_field(body, "chunks", st.default_chunks, 2, st.max_chunks),
             # None: the worker's default (the stream_steps knob)
@@ -99,11 +101,11 @@ def parse_request(body: Any, cfg: ServiceConfig) -> dict[str, Any]:
 
 
 def prompt_of(body: Any) -> str:
-    prompt = body.get("prompt") if isinstance(body, dict) else None
-    if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > api.MAX_PROMPT_CHARS:
-        raise api.ApiError(400, f"'prompt' must be a non-empty string of at most {api.MAX_PROMPT_CHARS} characters",
-                           "prompt")
-    return prompt
+    """A prompt change's body: ``{"prompt": ...}`` and nothing else, checked as an opening prompt is."""
+    if not isinstance(body, dict):
+        raise api.ApiError(400, "request body must be a JSON object", None, "invalid_json")
+    api.refuse_unknown(body, ("prompt",), "a prompt change")
+    return api.prompt_field(body)
 
 
 class SessionManager:

@@ -4,6 +4,7 @@ the stream config and knobs, and the chunk helpers the worker uses."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 
 from stepwatch.service import api, knobs
 from stepwatch.service.config import ConfigError, parse
-from stepwatch.service.sessions import SessionManager, StreamSession, parse_request
+from stepwatch.service.sessions import SessionManager, StreamSession, parse_request, prompt_of
 
 
 class FakeWorker:
@@ -41,6 +42,55 @@ def test_a_session_request_is_checked_field_by_field() -> None:
         with pytest.raises(api.ApiError) as e:
             parse_request(body, cfg)
         assert (e.value.status, e.value.param) == (400, param), body
+
+
+# Bodies a careless or hostile client sends: each must get a 400 naming the field, in the video API's shape.
+FUZZ: tuple[tuple[Any, str | None], ...] = (
+    ({"prompt": "x", "size": {}}, "size"), ({"prompt": "x", "size": 128}, "size"),
+    ({"prompt": "x", "size": "1x1"}, "size"),
+    ({"prompt": "x", "colour": "red"}, "colour"), ({"prompt": "\ud800"}, "prompt"), ({"prompt": ["x"]}, "prompt"),
+    ({"prompt": None}, "prompt"), ({"prompt": "  "}, "prompt"), ({"prompt": "x" * 4001}, "prompt"),
+    ({"prompt": "x", "chunks": "4"}, "chunks"), ({"prompt": "x", "chunks": 10**30}, "chunks"),
+    ({"prompt": "x", "steps": 2.5}, "steps"), ({"prompt": "x", "seed": -1}, "seed"), ({}, "prompt"),
+    ([], None), ("x", None),
+)
+
+
+def assert_client_safe(body: dict[str, Any]) -> None:
+    """An error body a client sees: OpenAI's shape, no traceback and no server path (API routes are not paths)."""
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    text = json.dumps(body)
+    assert "Traceback" not in text and ".py" not in text, text
+    assert "/" not in text.replace("/v1/", ""), text
+
+
+def test_every_bad_session_body_gets_a_400_naming_its_field() -> None:
+    cfg = _cfg()
+    for body, param in FUZZ:
+        with pytest.raises(api.ApiError) as e:
+            parse_request(body, cfg)
+        assert (e.value.status, e.value.param) == (400, param), body
+        assert_client_safe(e.value.body())
+
+
+def test_a_prompt_change_is_checked_as_an_opening_prompt() -> None:
+    assert prompt_of({"prompt": "a kite"}) == "a kite"
+    for body in ({"prompt": "\udfff"}, {"prompt": ""}, {"prompt": 3}, {"prompt": "x", "seed": 1}, [], {}):
+        with pytest.raises(api.ApiError) as e:
+            prompt_of(body)
+        assert e.value.status == 400, body
+        assert_client_safe(e.value.body())
+
+
+def test_the_video_api_refuses_the_same_bodies() -> None:
+    cfg = parse({"video": {"enabled": True}})
+    for body, param in FUZZ:
+        if not isinstance(body, dict) or param in ("chunks", "colour"):
+            continue
+        with pytest.raises(api.ApiError) as e:
+            api.validate_video(body, cfg)
+        assert (e.value.status, e.value.param) == (400, param), body
+        assert_client_safe(e.value.body())
 
 
 def test_a_session_nobody_reads_is_closed_after_the_idle_timeout() -> None:
