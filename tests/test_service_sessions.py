@@ -98,16 +98,51 @@ def test_a_session_nobody_reads_is_closed_after_the_idle_timeout() -> None:
     manager = SessionManager(_cfg(idle_timeout_seconds=0.3), worker)
     loop = asyncio.new_event_loop()
     try:
-        read, unread = StreamSession("read", loop), StreamSession("unread", loop)
+        read, unread = (StreamSession(sid, loop, on_drop=manager.close) for sid in ("read", "unread"))
         manager.sessions.update({"read": read, "unread": unread})
-        unread.events.put_nowait(("chunk", b"..."))  # a chunk waits; its stream never takes it
+        unread.put("chunk", b"...")  # a chunk waits; its stream never takes it
         deadline = time.monotonic() + 5
         while not any(m.get("session") == "unread" for m in worker.sent) and time.monotonic() < deadline:
             read.last_taken = time.monotonic()  # the other session's client keeps reading
-            time.sleep(0.05)
+            loop.run_until_complete(asyncio.sleep(0.05))
         closes = [m for m in worker.sent if m["op"] == "session_close"]
         assert closes and closes[0]["session"] == "unread" and closes[0]["reason"] == "idle", worker.sent
         assert all(m["session"] != "read" for m in closes)
+        assert unread.dropped == "idle" and unread.buffered == 0 and _only_end(unread, "idle")
+    finally:
+        manager.stop()
+        loop.close()
+
+
+def _only_end(sess: StreamSession, reason: str) -> bool:
+    """The session's queue holds its end alone, with ``reason``."""
+    kind, payload = sess.events.get_nowait()
+    return sess.events.empty() and kind == "end" and f'"reason":"{reason}"' in payload.decode()
+
+
+def test_a_client_that_reads_too_slowly_is_closed_and_its_chunks_freed() -> None:
+    """Past the send buffer the waiting chunks are dropped at once, the worker's session is closed (reason
+    backpressure) and later chunks are not queued; a session read in time never gets there."""
+    worker = FakeWorker()
+    manager = SessionManager(_cfg(), worker)
+    loop = asyncio.new_event_loop()
+    try:
+        slow = StreamSession("slow", loop, limit_bytes=1000, on_drop=manager.close)
+        manager.sessions["slow"] = slow
+        for _ in range(3):
+            slow.put("chunk", b"x" * 400)
+            loop.run_until_complete(asyncio.sleep(0))
+        assert slow.dropped == "backpressure" and slow.buffered == 0
+        slow.put("chunk", b"x" * 400)  # the worker's next chunk, before its close lands
+        loop.run_until_complete(asyncio.sleep(0))
+        assert _only_end(slow, "backpressure")
+        assert [(m["session"], m["reason"]) for m in worker.sent if m["op"] == "session_close"] == \
+            [("slow", "backpressure")]
+        kept = StreamSession("kept", loop, limit_bytes=1000, on_drop=manager.close)
+        for _ in range(5):
+            kept.put("chunk", b"x" * 400)
+            loop.run_until_complete(kept.take())
+        assert kept.dropped is None and kept.buffered == 0
     finally:
         manager.stop()
         loop.close()
