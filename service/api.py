@@ -93,7 +93,15 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _prompt(body: dict[str, Any]) -> str:
+def refuse_unknown(body: dict[str, Any], fields: tuple[str, ...], what: str) -> None:
+    """A 400 for a field the endpoint does not take: a typo would otherwise silently change the result."""
+    for k in body:
+        if k not in fields:
+            raise _bad(f"unknown field {k!r}; {what} takes {', '.join(fields)}", str(k), "unknown_parameter")
+
+
+def prompt_field(body: dict[str, Any]) -> str:
+    """``body["prompt"]``: a non-empty string of valid Unicode within the length limit, or a 400 naming it."""
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("'prompt' is required", "prompt", "missing_required_parameter")
     prompt = body["prompt"]
@@ -127,7 +135,7 @@ def _seed(body: dict[str, Any]) -> int:
 
 
 def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
-    prompt = _prompt(body)
+    prompt = prompt_field(body)
     n = int_field(body, "n", 1, 1, cfg.max_n)
     fmt = body.get("response_format", "b64_json")
     if fmt is None:
@@ -152,6 +160,18 @@ def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
     return GenerationRequest(prompt, n, width, height, steps, _guidance(body), _seed(body))
 
 
+def size_choice(body: dict[str, Any], sizes: tuple[str, ...] | list[str], default: str, what: str) -> str:
+    """``body["size"]`` (lower-cased), one of ``sizes``; absent or null is ``default``."""
+    size = body.get("size")
+    if size is None:
+        return default
+    if not isinstance(size, str):
+        raise _bad(f"'size' must be a string like '{default}', got {type(size).__name__}", "size", "invalid_type")
+    if size.lower() not in sizes:
+        raise _bad(f"'size' {size!r} is not {what} this service serves ({', '.join(sizes)})", "size", "unknown_size")
+    return size.lower()
+
+
 VIDEO_FIELDS = ("prompt", "size", "frames", "steps", "guidance_scale", "seed", "model")
 
 
@@ -159,18 +179,10 @@ def validate_video(body: dict[str, Any], cfg: ServiceConfig) -> GenerationReques
     """A ``POST /v1/videos`` body: prompt, size (one of the video sizes), frames (4k+1, up to the limit),
     steps, guidance_scale, seed.  An unknown field is refused (a typo would silently change the video)."""
     v = cfg.video
-    for k in body:
-        if k not in VIDEO_FIELDS:
-            raise _bad(f"unknown field {k!r}; a video job takes {', '.join(VIDEO_FIELDS)}", str(k), "unknown_parameter")
-    prompt = _prompt(body)
-    size = body.get("size") if body.get("size") is not None else v.default_size
-    if not isinstance(size, str):
-        raise _bad(f"'size' must be a string like '{v.default_size}', got {type(size).__name__}", "size",
-                   "invalid_type")
-    if size.lower() not in v.sizes:
-        raise _bad(f"'size' {size!r} is not a video size this service serves ({', '.join(v.sizes)})", "size",
-                   "unknown_size")
-    width, height = (int(x) for x in size.lower().split("x"))
+    refuse_unknown(body, VIDEO_FIELDS, "a video job")
+    prompt = prompt_field(body)
+    size = size_choice(body, v.sizes, v.default_size, "a video size")
+    width, height = (int(x) for x in size.split("x"))
     frames = int_field(body, "frames", v.default_frames, 1, 100_000)
     if (frames - 1) % 4:
         raise _bad(f"'frames' must be 4k+1 (1, 5, 9, ..., {v.max_frames}), got {frames}: the VAE compresses time "
@@ -179,7 +191,7 @@ def validate_video(body: dict[str, Any], cfg: ServiceConfig) -> GenerationReques
         raise _bad(f"'frames' {frames} is more than this service generates ({v.max_frames})", "frames",
                    "too_many_frames")
     if frames < 5:
-        raise _bad("'frames' must be at least 5 for a video (1 frame is an image: use /v1/images/generations)",
+        raise _bad("'frames' must be at least 5 for a video (1 frame is an image: use the images API)",
                    "frames", "invalid_frames")
     steps = int_field(body, "steps", v.default_steps, 1, v.max_steps)
     return GenerationRequest(prompt, 1, width, height, steps, _guidance(body, v.guidance_scale), _seed(body),

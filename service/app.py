@@ -286,7 +286,8 @@ async def get_video_content(request: Request, job_id: str) -> Response:
 
 @router.delete("/v1/videos/{job_id}", responses=ERRORS)
 async def cancel_video(request: Request, job_id: str) -> Response:
-    """Cancel a job in flight: queued, it never runs; running, it stops after its current step."""
+    """Cancel a job in flight, answered at once: queued, it never runs; denoising, it stops after its current step
+    (``cancel_requested`` until then); decoding, 409 ``not_cancellable``."""
     return await _video_call(request, _service(request).cancel_video, job_id)
 
 

@@ -103,6 +103,9 @@ class StreamConfig:
     model: str | None = None  # a diffusers AnyFlowFAR model directory; None: the tiny offline one
     max_sessions: int = 2  # session slots per worker
     idle_timeout_seconds: float = 30.0  # a session whose client has read nothing this long is closed
+    # Events waiting for a client that reads slower than the session makes them: past this, the session is
+    # closed (reason backpressure) and what waits is freed. 8 MiB is ~30 chunks of 128x128 frames as PNGs.
+    send_buffer_mb: float = 8.0
     sizes: list[str] = field(default_factory=lambda: ["64x64", "128x128"])  # any other size: 400
     default_size: str = "64x64"
     default_chunks: int = 8  # chunks per session: 1 latent frame, then 2 per chunk (8 frames out each)
@@ -524,6 +527,9 @@ def _check_stream(cfg: ServiceConfig) -> None:
     _check_type(st.idle_timeout_seconds, (int, float), "stream.idle_timeout_seconds")
     if st.idle_timeout_seconds <= 0:
         raise ConfigError("stream.idle_timeout_seconds: must be > 0")
+    _check_type(st.send_buffer_mb, (int, float), "stream.send_buffer_mb")
+    if st.send_buffer_mb <= 0:
+        raise ConfigError("stream.send_buffer_mb: must be > 0")
 
 
 def _servable(cfg: ServiceConfig, size: Any, key: str) -> None:

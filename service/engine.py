@@ -473,12 +473,10 @@ class Service:
             raise api.ApiError(409, f"video job {job_id} has no video: {why}", "id", f"video_{job.status}")
         return job.content, job.content_type
 
-    def cancel_video(self, job_id: str, wait_s: float = 5.0) -> dict[str, Any]:
-        """Cancel a job in flight; waits up to ``wait_s`` for a running job to stop (it stops after its step)."""
+    def cancel_video(self, job_id: str) -> dict[str, Any]:
+        """Cancel a job in flight and answer at once: a queued job is cancelled, a denoising one says
+        ``cancel_requested`` until it stops after its step (poll it), a decoding one is a 409."""
         job = self._jobs().cancel(job_id, self.scheduler.remove)
-        deadline = time.monotonic() + wait_s
-        while not job.done and time.monotonic() < deadline:
-            time.sleep(0.05)
         self._update_gauges()
         return job.view(time.monotonic())
 

@@ -3,9 +3,9 @@
 A video takes many times an image's time, so no client holds a connection for it: the job is a ticket in
 the one queue (pool ``video``, its own SLO and wait limit), served by the same worker between image
 requests, and the client polls ``GET /v1/videos/{id}`` (status, step k of n) and downloads the MP4 from
-``/content`` once it succeeded.  ``DELETE`` cancels: a queued job leaves the queue at once, a running one
-stops within a step (the worker reads the cancelled job's number after every step).  A cancelled or
-failed job frees its slot; a finished one is kept ``video.keep_seconds`` for its download.
+``/content`` once it succeeded.  ``DELETE`` answers at once: a queued job leaves the queue, a denoising one
+stops within a step (the worker reads the cancelled job's number after every step), a decoding one is a 409.
+A cancelled or failed job frees its slot; a finished one is kept ``video.keep_seconds`` for its download.
 
 Counters add up: ``created = succeeded + failed + cancelled + in flight`` (queued + running), each in
 ``stepwatch_video_jobs_*`` by pool.  Job ids are random (an id is the only key to a job), never labels.
@@ -223,13 +223,19 @@ class VideoJobs:
         self.update_gauges()
 
     def cancel(self, job_id: str, remove: Callable[[Ticket], bool]) -> Job:
-        """Cancel a job in flight (a finished one is answered as it is).  Queued: it leaves the queue now;
-        running: the worker stops it after its current step (the job reads ``cancel_requested`` until then)."""
+        """Cancel a job in flight without waiting (a finished one is answered as it is).  Queued: it leaves the
+        queue now; denoising: the worker stops it after its current step (the job says ``cancel_requested``
+        until then); past its last step (the VAE decode and the MP4): a 409 ``not_cancellable`` at once, since
+        the worker reads the cancel only between steps and the job ends in the time a decode takes."""
         job = self.get(job_id)
         with self._lock:
             ticket = job.ticket
             if job.done or ticket is None:
                 return job
+            if job.status == RUNNING and job.step >= job.req.steps:
+                raise ApiError(409, f"video job {job_id} has finished its {job.req.steps} steps and is decoding its "
+                                    "frames: it can no longer be cancelled and ends on its own shortly",
+                               "id", "not_cancellable")
             job.cancel_requested = True
         if ticket.future.cancel():  # still queued: the done callback ends the job as cancelled
             remove(ticket)

@@ -59,7 +59,7 @@ class SessionCloseMsg(TypedDict):
     op: Literal["session_close"]
     id: str
     session: str
-    reason: str  # closed (by its client) or idle (the idle timeout)
+    reason: str  # closed (by its client), idle (the idle timeout) or backpressure (the send buffer)
 
 
 Request = GenerateMsg | KnobsMsg | InfoMsg | SessionMsg | SessionPromptMsg | SessionCloseMsg
@@ -211,7 +211,7 @@ class SessionEndMsg(TypedDict):
     op: Literal["session_end"]
     id: str
     outcome: Literal["done", "closed", "failed"]
-    reason: str  # done, closed, idle, oom, error
+    reason: str  # done, closed, idle, backpressure, oom, error
     chunks: int  # chunks delivered
     message: str
     kv_bytes: int  # the session's KV cache as allocated (its tensors), 0 when its call never ran

@@ -12,9 +12,10 @@ HTTP (service/app.py):
   DELETE /v1/stream/sessions/{id}         -> {closing_after}: chunks delivered before it stops
 
 The worker runs the session (service/stream_worker.py) and sends its chunks as they are done; they wait here in
-the session's queue until its event stream takes them.  A client that goes away closes its session; one that
-stops reading leaves chunks in the queue, and after ``stream.idle_timeout_seconds`` without taking one its
-session is closed (reason ``idle``), so an abandoned session never holds a slot and its KV cache.
+the session's queue until its event stream takes them.  A client that goes away closes its session.  One that
+stops reading leaves chunks in the queue: past ``stream.send_buffer_mb`` of them (reason ``backpressure``) or
+after ``stream.idle_timeout_seconds`` without taking one (reason ``idle``) they are dropped and the session is
+closed, so an abandoned session never holds a slot, its KV cache or its chunks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,22 +45,54 @@ REAP_EVERY = 1.0
 
 @dataclass
 class StreamSession:
+    """One session's events on their way to its client: a queue bounded in bytes.  Past the bound (a client that
+    reads slower than the session makes chunks) or the idle timeout, what waits is dropped at once and the stream
+    ends with ``end`` (outcome closed, reason backpressure or idle); ``on_drop`` stops the worker's session."""
+
     id: str
     loop: asyncio.AbstractEventLoop
+    limit_bytes: int = 8 << 20
+    on_drop: Callable[[str, str], None] | None = None  # (session id, reason)
     events: asyncio.Queue[tuple[str, bytes]] = field(default_factory=asyncio.Queue)
     last_taken: float = field(default_factory=time.monotonic)
     ended: bool = False
     first: tuple[str, bytes] | None = None  # the event open() waited for: its stream sends it before the queue
+    buffered: int = 0  # bytes queued and not taken; read and written on the loop only
+    dropped: str | None = None  # backpressure or idle, once the queue was dropped
 
     def put(self, kind: str, payload: bytes) -> None:
         """From any thread: hand an event to the session's stream."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        self.loop.call_soon_threadsafe(self._enqueue, kind, payload)
+
+    def _enqueue(self, kind: str, payload: bytes) -> None:
+        if self.dropped is not None:
+            return  # the stream already has its end
+        self.buffered += len(payload)
+        self.events.put_nowait((kind, payload))
+        if self.buffered > self.limit_bytes and kind != "end":
+            self.drop("backpressure")
+
+    def drop(self, reason: str) -> None:
+        """On the loop: free every waiting event, end the stream, stop the worker's session."""
+        if self.dropped is not None:
+            return
+        self.dropped = reason
+        while not self.events.empty():
+            self.events.get_nowait()
+        self.buffered = 0
+        self.events.put_nowait(("end", sse("end", {"outcome": "closed", "reason": reason, "chunks": -1,
+                                                   "message": f"the client did not keep up ({reason}): the "
+                                                              "session was closed and its waiting chunks dropped"})))
+        log.info("session %s: client not reading (%s), waiting chunks dropped", self.id[:8], reason)
+        if self.on_drop is not None and not self.ended:
+            self.on_drop(self.id, reason)
 
     async def take(self) -> tuple[str, bytes]:
         if self.first is not None:
             ev, self.first = self.first, None
             return ev
         ev = await self.events.get()
+        self.buffered -= len(ev[1])
         self.last_taken = time.monotonic()
         return ev
 
@@ -67,16 +101,18 @@ class StreamSession:
         return self.events.qsize()
 
 
+SESSION_FIELDS = ("prompt", "size", "chunks", "steps", "seed")
+
+
 def parse_request(body: Any, cfg: ServiceConfig) -> dict[str, Any]:
-    """A session's opening request, checked: a 400 that names the field, as the images API does."""
+    """A session's opening request, checked as a video job's is: unknown fields, types, the size menu, the prompt's
+    text and the chunk and step ranges each get a 400 that names the field."""
     if not isinstance(body, dict):
-        raise api.ApiError(400, "the body must be a JSON object", None, "invalid_type")
+        raise api.ApiError(400, "request body must be a JSON object", None, "invalid_json")
     st = cfg.stream
-    prompt = prompt_of(body)
-    size = body.get("size") or st.default_size
-    if size not in st.sizes:
-        raise api.ApiError(400, f"'size' must be one of {', '.join(st.sizes)}", "size")
-    w, h = parse_size(size)
+    api.refuse_unknown(body, SESSION_FIELDS, "a streaming session")
+    prompt = api.prompt_field(body)
+    w, h = parse_size(api.size_choice(body, st.sizes, st.default_size, "a stream size"))
     return {"prompt": prompt, "width": w, "height": h, "seed": api.int_field(body, "seed", 0, 0, 2**32 - 1),
             "chunks": api.int_field(body, "chunks", st.default_chunks, 2, st.max_chunks),
             # None: the worker's default (the stream_steps knob)
@@ -84,11 +120,11 @@ def parse_request(body: Any, cfg: ServiceConfig) -> dict[str, Any]:
 
 
 def prompt_of(body: Any) -> str:
-    prompt = body.get("prompt") if isinstance(body, dict) else None
-    if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > api.MAX_PROMPT_CHARS:
-        raise api.ApiError(400, f"'prompt' must be a non-empty string of at most {api.MAX_PROMPT_CHARS} characters",
-                           "prompt")
-    return prompt
+    """A prompt change's body: ``{"prompt": ...}`` and nothing else, checked as an opening prompt is."""
+    if not isinstance(body, dict):
+        raise api.ApiError(400, "request body must be a JSON object", None, "invalid_json")
+    api.refuse_unknown(body, ("prompt",), "a prompt change")
+    return api.prompt_field(body)
 
 
 class SessionManager:
@@ -108,7 +144,8 @@ class SessionManager:
         A refusal (every slot taken) is a 429; a worker that cannot start it, a 503."""
         opened_at = time.perf_counter()
         req = parse_request(body, self.cfg)
-        sess = StreamSession(uuid.uuid4().hex, asyncio.get_running_loop())
+        sess = StreamSession(uuid.uuid4().hex, asyncio.get_running_loop(),
+                             int(self.cfg.stream.send_buffer_mb * (1 << 20)), self.close)
         with self._lock:
             self.sessions[sess.id] = sess
         fut = self.worker.call({"op": "session", "id": sess.id, "request": req, "opened_at": opened_at})
@@ -188,15 +225,16 @@ class SessionManager:
             self.sessions.pop(sid, None)
 
     def _reap(self) -> None:
-        """Close sessions whose client stopped reading: chunks waiting, none taken for the idle timeout."""
+        """Drop the waiting events of sessions whose client stopped reading (chunks waiting, none taken for the idle
+        timeout): a running session is closed (reason idle), an ended one holds nothing more for its client."""
         limit = self.cfg.stream.idle_timeout_seconds
         while not self._stop.wait(REAP_EVERY):
             now = time.monotonic()
             for sess in list(self.sessions.values()):
-                if not sess.ended and sess.waiting() > 0 and now - sess.last_taken > limit:
+                if sess.dropped is None and sess.waiting() > 0 and now - sess.last_taken > limit:
                     log.info("session %s idle for %.0f s: closing it", sess.id[:8], now - sess.last_taken)
                     sess.last_taken = now  # asked once per timeout
-                    self.close(sess.id, "idle")
+                    sess.loop.call_soon_threadsafe(sess.drop, "idle")
 
     def stop(self) -> None:
         self._stop.set()

@@ -21,7 +21,6 @@ import io
 import logging
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -276,13 +275,14 @@ class StreamSessions:
         except Exception as exc:
             failure = exc
             outcome, reason = "failed", "oom" if is_oom(exc) else "error"
-            message = traceback.format_exc(limit=2)[-500:]
+            message = f"the session failed ({type(exc).__name__}); the service's log has the details"
         finally:
             with self._lock:
                 s.slot.session = None
                 self.sessions.pop(s.id, None)
         if failure is not None:
-            log.warning("session %s failed after %d chunks: %s", s.id[:8], s.delivered, failure)
+            log.warning("session %s failed after %d chunks: %s", s.id[:8], s.delivered, failure,
+                        exc_info=failure if reason == "error" else None)
             message = _failure_message(failure, s) if reason == "oom" else message
             del failure
         gc.collect()  # the call's KV cache and the exception's frames: freed before the slot is reused

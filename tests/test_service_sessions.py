@@ -4,6 +4,7 @@ the stream config and knobs, and the chunk helpers the worker uses."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 
 from stepwatch.service import api, knobs
 from stepwatch.service.config import ConfigError, parse
-from stepwatch.service.sessions import SessionManager, StreamSession, parse_request
+from stepwatch.service.sessions import SessionManager, StreamSession, parse_request, prompt_of
 
 
 class FakeWorker:
@@ -43,21 +44,105 @@ def test_a_session_request_is_checked_field_by_field() -> None:
         assert (e.value.status, e.value.param) == (400, param), body
 
 
+# Bodies a careless or hostile client sends: each must get a 400 naming the field, in the video API's shape.
+FUZZ: tuple[tuple[Any, str | None], ...] = (
+    ({"prompt": "x", "size": {}}, "size"), ({"prompt": "x", "size": 128}, "size"),
+    ({"prompt": "x", "size": "1x1"}, "size"),
+    ({"prompt": "x", "colour": "red"}, "colour"), ({"prompt": "\ud800"}, "prompt"), ({"prompt": ["x"]}, "prompt"),
+    ({"prompt": None}, "prompt"), ({"prompt": "  "}, "prompt"), ({"prompt": "x" * 4001}, "prompt"),
+    ({"prompt": "x", "chunks": "4"}, "chunks"), ({"prompt": "x", "chunks": 10**30}, "chunks"),
+    ({"prompt": "x", "steps": 2.5}, "steps"), ({"prompt": "x", "seed": -1}, "seed"), ({}, "prompt"),
+    ([], None), ("x", None),
+)
+
+
+def assert_client_safe(body: dict[str, Any]) -> None:
+    """An error body a client sees: OpenAI's shape, no traceback and no server path (API routes are not paths)."""
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    text = json.dumps(body)
+    assert "Traceback" not in text and ".py" not in text, text
+    assert "/" not in text.replace("/v1/", ""), text
+
+
+def test_every_bad_session_body_gets_a_400_naming_its_field() -> None:
+    cfg = _cfg()
+    for body, param in FUZZ:
+        with pytest.raises(api.ApiError) as e:
+            parse_request(body, cfg)
+        assert (e.value.status, e.value.param) == (400, param), body
+        assert_client_safe(e.value.body())
+
+
+def test_a_prompt_change_is_checked_as_an_opening_prompt() -> None:
+    assert prompt_of({"prompt": "a kite"}) == "a kite"
+    for body in ({"prompt": "\udfff"}, {"prompt": ""}, {"prompt": 3}, {"prompt": "x", "seed": 1}, [], {}):
+        with pytest.raises(api.ApiError) as e:
+            prompt_of(body)
+        assert e.value.status == 400, body
+        assert_client_safe(e.value.body())
+
+
+def test_the_video_api_refuses_the_same_bodies() -> None:
+    cfg = parse({"video": {"enabled": True}})
+    for body, param in FUZZ:
+        if not isinstance(body, dict) or param in ("chunks", "colour"):
+            continue
+        with pytest.raises(api.ApiError) as e:
+            api.validate_video(body, cfg)
+        assert (e.value.status, e.value.param) == (400, param), body
+        assert_client_safe(e.value.body())
+
+
 def test_a_session_nobody_reads_is_closed_after_the_idle_timeout() -> None:
     worker = FakeWorker()
     manager = SessionManager(_cfg(idle_timeout_seconds=0.3), worker)
     loop = asyncio.new_event_loop()
     try:
-        read, unread = StreamSession("read", loop), StreamSession("unread", loop)
+        read, unread = (StreamSession(sid, loop, on_drop=manager.close) for sid in ("read", "unread"))
         manager.sessions.update({"read": read, "unread": unread})
-        unread.events.put_nowait(("chunk", b"..."))  # a chunk waits; its stream never takes it
+        unread.put("chunk", b"...")  # a chunk waits; its stream never takes it
         deadline = time.monotonic() + 5
         while not any(m.get("session") == "unread" for m in worker.sent) and time.monotonic() < deadline:
             read.last_taken = time.monotonic()  # the other session's client keeps reading
-            time.sleep(0.05)
+            loop.run_until_complete(asyncio.sleep(0.05))
         closes = [m for m in worker.sent if m["op"] == "session_close"]
         assert closes and closes[0]["session"] == "unread" and closes[0]["reason"] == "idle", worker.sent
         assert all(m["session"] != "read" for m in closes)
+        assert unread.dropped == "idle" and unread.buffered == 0 and _only_end(unread, "idle")
+    finally:
+        manager.stop()
+        loop.close()
+
+
+def _only_end(sess: StreamSession, reason: str) -> bool:
+    """The session's queue holds its end alone, with ``reason``."""
+    kind, payload = sess.events.get_nowait()
+    return sess.events.empty() and kind == "end" and f'"reason":"{reason}"' in payload.decode()
+
+
+def test_a_client_that_reads_too_slowly_is_closed_and_its_chunks_freed() -> None:
+    """Past the send buffer the waiting chunks are dropped at once, the worker's session is closed (reason
+    backpressure) and later chunks are not queued; a session read in time never gets there."""
+    worker = FakeWorker()
+    manager = SessionManager(_cfg(), worker)
+    loop = asyncio.new_event_loop()
+    try:
+        slow = StreamSession("slow", loop, limit_bytes=1000, on_drop=manager.close)
+        manager.sessions["slow"] = slow
+        for _ in range(3):
+            slow.put("chunk", b"x" * 400)
+            loop.run_until_complete(asyncio.sleep(0))
+        assert slow.dropped == "backpressure" and slow.buffered == 0
+        slow.put("chunk", b"x" * 400)  # the worker's next chunk, before its close lands
+        loop.run_until_complete(asyncio.sleep(0))
+        assert _only_end(slow, "backpressure")
+        assert [(m["session"], m["reason"]) for m in worker.sent if m["op"] == "session_close"] == \
+            [("slow", "backpressure")]
+        kept = StreamSession("kept", loop, limit_bytes=1000, on_drop=manager.close)
+        for _ in range(5):
+            kept.put("chunk", b"x" * 400)
+            loop.run_until_complete(kept.take())
+        assert kept.dropped is None and kept.buffered == 0
     finally:
         manager.stop()
         loop.close()

@@ -4,6 +4,7 @@ clients saw (chunks observed = chunks delivered, KV bytes back to idle, first-ch
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from stepwatch.sse import parse_sse
 from tests.promtext import total, value
 from tests.servicefixture import ServiceProc
 from tests.test_exposition_lint import assert_lint_clean
+from tests.test_service_sessions import FUZZ, assert_client_safe
 
 OVERRIDES = {"compile": {"enabled": False}, "warmup": ["256x256"], "video": {"enabled": False},
              "stream": {"enabled": True, "max_sessions": 2, "sizes": ["64x64", "128x128"]}}
@@ -87,11 +89,27 @@ def test_streaming_sessions_over_http(tmp_path: Path) -> None:
             _first_chunk_matches_the_client(svc, client, before)
             _two_sessions_a_change_a_close_and_a_refusal(svc, client)
             _a_window_past_the_kv_memory_fails_that_session(svc, client)
+            _bad_bodies_get_clean_400s(svc, client)
         m = svc.metrics()
         assert total(m, "stepwatch_compile_total", phase="serving") == 0  # both stream sizes were warmed up
         assert_lint_clean(svc.get("/metrics")[1], "the service with streaming sessions")
     finally:
         svc.close()
+
+
+def _bad_bodies_get_clean_400s(svc: ServiceProc, client: httpx.Client) -> None:
+    """Every fuzz body, sent as bytes (a lone surrogate travels as its JSON escape), gets a 400 in OpenAI's shape
+    that names the field and carries no traceback or path; a prompt change is checked before the session is
+    looked up."""
+    for body, param in FUZZ:
+        r = client.post(svc.url + "/v1/stream/sessions", content=json.dumps(body),
+                        headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), body
+        assert_client_safe(r.json())
+    r = client.post(svc.url + "/v1/stream/sessions/0123/prompt", content=json.dumps({"prompt": "\ud800"}),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert_client_safe(r.json())
 
 
 def _first_chunk_matches_the_client(svc: ServiceProc, client: httpx.Client, before: dict[str, float]) -> None:

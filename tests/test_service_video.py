@@ -38,6 +38,8 @@ class StepWorker:
         self.cancel = Shared()
         self.hold = threading.Event()
         self.hold.set()
+        self.decoding = threading.Event()  # cleared: a job holds after its last step, as in a long VAE decode
+        self.decoding.set()
         self.runs: list[dict[str, Any]] = []
         self._progress = on_progress
 
@@ -67,6 +69,7 @@ class StepWorker:
                 return
             self._progress({"op": "progress", "id": msg["id"], "step": step, "steps": req["steps"]})
             time.sleep(0.01)
+        self.decoding.wait(10)
         fut.set_result({"op": "result", "id": msg["id"], "seconds": 0.2, "images": [b"mp4 bytes"],
                         "stages": {"denoise": 0.1, "vae_decode": 0.1}, "shape": "128x128x9_4s", "steps": 4,
                         "cache": None, "nonfinite": 0, "content_type": "video/mp4", "frames": req["frames"]})
@@ -192,6 +195,21 @@ def test_unknown_job_and_content_before_done(client: TestClient, svc: Service) -
     assert wait_status(client, job["id"], ("succeeded",))["status"] == "succeeded"
 
 
+def test_a_decoding_job_is_not_cancellable_and_says_so_at_once(client: TestClient, svc: Service) -> None:
+    """Past its last step the worker no longer reads the cancel: DELETE answers 409 ``not_cancellable`` without
+    waiting, and the job then succeeds as it would have."""
+    worker: StepWorker = svc.worker  # type: ignore[assignment]
+    worker.decoding.clear()
+    job = client.post("/v1/videos", json={"prompt": "decoding"}).json()
+    deadline = time.monotonic() + 10
+    while client.get(f"/v1/videos/{job['id']}").json()["step"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = client.delete(f"/v1/videos/{job['id']}")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "not_cancellable", r.json()
+    worker.decoding.set()
+    assert wait_status(client, job["id"], ("succeeded", "cancelled"))["status"] == "succeeded"
+
+
 def test_cancel_queued_and_running(client: TestClient, svc: Service) -> None:
     """A running job stops after its step; the job queued behind it never runs; both free their slots, and an
     image request and a new job are served after them."""
@@ -202,8 +220,10 @@ def test_cancel_queued_and_running(client: TestClient, svc: Service) -> None:
     assert wait_status(client, running["id"], ("running",))["status"] == "running"
     gone = client.delete(f"/v1/videos/{queued['id']}").json()
     assert gone["status"] == "cancelled"
-    threading.Timer(0.2, worker.hold.set).start()
-    stopped = client.delete(f"/v1/videos/{running['id']}").json()
+    asked = client.delete(f"/v1/videos/{running['id']}").json()  # at once: it stops after its step
+    assert asked["status"] == "running" and asked["cancel_requested"] is True
+    worker.hold.set()
+    stopped = wait_status(client, running["id"], ("cancelled", "succeeded"))
     assert stopped["status"] == "cancelled" and stopped["step"] < 4
     assert [r["prompt"] for r in worker.runs] == ["first"]  # the queued one never reached the worker
     assert client.delete(f"/v1/videos/{running['id']}").json()["status"] == "cancelled"  # again: as it is
