@@ -14,7 +14,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from stepwatch.alerts import defs, promql, rulegen
-from stepwatch.catalog import METRICS, series_names
+from stepwatch.catalog import METRICS, readable_names
 from stepwatch.runbooks import parse
 from stepwatch.runbooks.parse import CAUSES, RunbookError
 from stepwatch.thresholds import PROFILES, load
@@ -118,7 +118,7 @@ def test_every_check_query_parses_as_promql(th: Any, runbooks: dict[str, parse.R
 
 
 def test_checks_name_only_series_that_exist(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
-    known = series_names() | rulegen.recorded_names(th) | {"up"} | set(promql.FOREIGN_SERIES)
+    known = readable_names() | rulegen.recorded_names(th)
     for alert, cid, p, q in _rendered(th, runbooks):
         names = promql.metric_names(q)
         assert names, (alert, cid)
