@@ -298,6 +298,23 @@ def test_fault_table_links_resolve() -> None:
             assert cause in CAUSES, cause
 
 
+def test_causes_are_declared_once_in_the_runbooks(tmp_path: Path) -> None:
+    """The vocabulary is the runbooks' ```causes blocks: one line each (indented lines go on), once in all."""
+    text = "## Mitigation\n\n```causes\nfoo_bar: one\n  line\nbaz: two\n```\n\n- **Foo** (`foo_bar`): fix\n"
+    assert parse.declared_causes(text) == {"foo_bar": "one line", "baz": "two"}
+    with pytest.raises(RunbookError, match="cause_id: what it means"):
+        parse.declared_causes("```causes\nNot a cause\n```\n", "x.md")
+    (tmp_path / "a.md").write_text(text)
+    (tmp_path / "README.md").write_text("```causes\nignored: README is no runbook\n```\n")
+    assert parse.load_causes(tmp_path) == ({"foo_bar": "one line", "baz": "two"}, {"foo_bar": "a.md", "baz": "a.md"})
+    (tmp_path / "b.md").write_text("```causes\nbaz: again\n```\n")
+    with pytest.raises(RunbookError, match=re.escape("b.md: cause 'baz' is already declared in a.md")):
+        parse.load_causes(tmp_path)
+    assert set(parse.CAUSE_RUNBOOK) == set(CAUSES)
+    for cause, file in parse.CAUSE_RUNBOOK.items():  # declared where a check of that runbook names it
+        assert cause in parse.load(file).causes(), (cause, file)
+
+
 def _doc(item: str) -> str:
     return f"# X\n## Meaning\n## Impact\n## Diagnosis\n{item}\n## Mitigation\n## Dashboard\n"
 
