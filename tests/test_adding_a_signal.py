@@ -1,9 +1,10 @@
-"""Adding a signal is a four-file change; when one piece is missing, this test names it.
+"""Adding a signal is the handful of hand edits docs/adding-a-signal.md lists; a missing piece is named.
 
 Every alert in stepwatch/thresholds.yaml needs: its AlertDef in alerts/defs/<subsystem>.py
 (with promtool cases that fire above the threshold, stay quiet below it, and stay quiet
-before ``for:`` elapses), its runbook under runbooks/, and its panel on the committed
-overview dashboard.  docs/adding-a-signal.md is the guide this test enforces.
+before ``for:`` elapses), its runbook under runbooks/, its panel on the committed overview
+dashboard, and its false-alarm control under triage/scenarios/ (generated).  The walk at the
+end adds a throw-away counter and alert to a copy of the repository by the doc's list alone.
 """
 
 from __future__ import annotations
@@ -59,9 +60,20 @@ def case_gaps(spec: AlertSpec, cases: list[Case], profile: str) -> list[str]:
     return gaps
 
 
+def false_alarm_alerts(root: Path) -> set[str]:
+    """Alerts that a committed false-alarm control presents."""
+    out = set()
+    for p in (root / "triage" / "scenarios").glob("*/scenario.yaml"):
+        sc = yaml.safe_load(p.read_text())
+        if sc.get("kind") == "false_alarm":
+            out.add(sc.get("expected_alert"))
+    return out
+
+
 def missing_pieces(th: Thresholds, root: Path) -> list[str]:
     """One line per missing piece, naming the alert and what to add where."""
     titles = panel_titles(root)
+    controls = false_alarm_alerts(root)
     out = []
     for spec in th.alerts.values():
         who = f"{spec.name} (alerts.{spec.key})"
@@ -81,12 +93,15 @@ def missing_pieces(th: Thresholds, root: Path) -> list[str]:
         if spec.panel not in titles:
             out.append(f"{who}: no panel titled {spec.panel!r} on {DASHBOARD} (add it to its row in "
                        "dashboards/overview.py)")
+        if spec.name not in controls:
+            out.append(f"{who}: no false-alarm control under triage/scenarios/ (run `stepwatch triage "
+                       "false-alarms --missing`)")
     return out
 
 
 # ----- the real alerts have every piece --------------------------------------------------------
 
-def test_every_alert_has_its_four_pieces() -> None:
+def test_every_alert_has_its_pieces() -> None:
     missing = missing_pieces(load(), ROOT)
     assert not missing, "\n".join(missing)
 
@@ -126,6 +141,8 @@ def test_a_new_alert_without_its_pieces_names_each(raw: dict[str, Any]) -> None:
         "StepwatchFakeSignal (alerts.fake_signal): no runbook runbooks/fake-signal.md",
         "StepwatchFakeSignal (alerts.fake_signal): no panel titled 'Fake signals, by pool' on "
         "dashboards/stepwatch-overview.json (add it to its row in dashboards/overview.py)",
+        "StepwatchFakeSignal (alerts.fake_signal): no false-alarm control under triage/scenarios/ (run "
+        "`stepwatch triage false-alarms --missing`)",
     ]
 
 
