@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import yaml
 
+from stepwatch import causes
 from stepwatch.thresholds import Thresholds, anchor
 from stepwatch.thresholds import load as load_thresholds
 
@@ -371,49 +372,23 @@ def load_all(directory: str | Path | None = None) -> dict[str, Runbook]:
     return out
 
 
-NOT_RUNBOOKS = {"README.md", "fault-table.md", "drills.md"}
-_CAUSES_FENCE = re.compile(r"^[ \t]*```causes[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
-_CAUSE_LINE = re.compile(r"^([a-z][a-z0-9_]*):\s+(\S.*)$")
+NOT_RUNBOOKS = causes.NOT_RUNBOOKS  # README, the fault table and the drills are no runbooks
 
 
 def declared_causes(text: str, file: str = "<text>") -> dict[str, str]:
-    """The causes a runbook's ```causes blocks declare: ``cause_id: one line for people`` (indented lines go on)."""
-    out: dict[str, str] = {}
-    for block in _CAUSES_FENCE.findall(text):
-        current = ""
-        for line in block.splitlines():
-            if not line.strip():
-                continue
-            if line[0] in " \t" and current:
-                out[current] += " " + line.strip()
-                continue
-            m = _CAUSE_LINE.match(line)
-            if m is None:
-                raise RunbookError(f"{file}: a ```causes line is 'cause_id: what it means', not {line.strip()!r}")
-            current = m.group(1)
-            if current in out:
-                raise RunbookError(f"{file}: cause {current!r} declared twice")
-            out[current] = m.group(2).strip()
-    return out
+    """The causes a runbook's ```causes blocks declare (stepwatch.causes); a malformed block is a RunbookError."""
+    try:
+        return causes.declared_causes(text, file)
+    except causes.CausesError as e:
+        raise RunbookError(str(e)) from None
 
 
 def load_causes(directory: str | Path | None = None) -> tuple[dict[str, str], dict[str, str]]:
-    """The cause vocabulary from every runbook's ```causes block: ({cause: meaning}, {cause: runbook file}).
-
-    Each cause is declared once, in the runbook of the alert it belongs to most; other runbooks name it
-    in their checks.  Runbook order (by file name), then block order.
-    """
-    d = Path(directory) if directory is not None else runbooks_dir()
-    causes: dict[str, str] = {}
-    home: dict[str, str] = {}
-    for p in sorted(d.glob("*.md")):
-        if p.name in NOT_RUNBOOKS:
-            continue
-        for cause, meaning in declared_causes(p.read_text(), p.name).items():
-            if cause in home:
-                raise RunbookError(f"{p.name}: cause {cause!r} is already declared in {home[cause]}")
-            causes[cause], home[cause] = meaning, p.name
-    return causes, home
+    """The cause vocabulary of the runbooks in ``directory`` (default: the packaged ones); see stepwatch.causes."""
+    try:
+        return causes.load_causes(Path(directory) if directory is not None else runbooks_dir())
+    except causes.CausesError as e:
+        raise RunbookError(str(e)) from None
 
 
 # The shared cause vocabulary: what triage may name, one line each for people; declared by the runbooks.
