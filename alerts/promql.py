@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from stepwatch.catalog import METRICS
+from stepwatch.catalog import FOREIGN_SERIES, METRICS, PROMETHEUS_SERIES
 
 if TYPE_CHECKING:
     from stepwatch.thresholds import AlertSpec, Thresholds
@@ -195,18 +195,14 @@ def selector_labels(expr: str) -> dict[str, set[str]]:
     return out
 
 
-# Series of the fleet's other parts that rules, panels and checks read, with their own labels: haproxy's
-# built-in exporter (the balancer's health check of each replica).
-FOREIGN_SERIES: dict[str, set[str]] = {"haproxy_server_status": {"proxy", "server", "state"}}
-
-
 def known_labels(name: str) -> set[str] | None:
     """Label names a series can carry (None: any, e.g. an info metric's free labels)."""
     base = {"job", "instance"}
-    if name == "up":  # target labels; pod as service discovery (and the practice fleet's agents) set it, node
-        return base | {"pod", "node"}  # as the fleet's agents' external label does
+    if name in PROMETHEUS_SERIES:
+        extra = PROMETHEUS_SERIES[name]
+        return None if extra is None else base | extra
     if name in FOREIGN_SERIES:
-        return base | {"node"} | FOREIGN_SERIES[name]
+        return base | FOREIGN_SERIES[name]
     if ":" in name:  # a recording rule: level:metric:operations, job always kept
         return {"job", *name.split(":", 1)[0].split("_")}
     for m in METRICS:

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from stepwatch import catalog
-from stepwatch.alerts.promql import FOREIGN_SERIES
 from stepwatch.alerts.rulegen import recorded_names
 from stepwatch.dashboards.model import (
     DATASOURCE_UID,
@@ -39,7 +38,6 @@ from stepwatch.dashboards.model import (
 )
 from stepwatch.thresholds import Thresholds
 
-BUILTINS = {"up", "ALERTS", "ALERTS_FOR_STATE"}
 GRAFANA_VARS = {"__rate_interval", "__interval", "__range"}
 RANGE_FUNCS = {"rate", "increase"}
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
@@ -146,7 +144,7 @@ def lint_expr(expr: str, known: set[str], kinds: Mapping[str, str], defined_vars
 
 def _known(th: Thresholds) -> tuple[set[str], dict[str, str]]:
     kinds: dict[str, str] = {m.name: m.kind for m in catalog.METRICS}
-    return catalog.series_names() | recorded_names(th) | BUILTINS | set(FOREIGN_SERIES), kinds
+    return catalog.readable_names() | recorded_names(th), kinds
 
 
 Check = Callable[[str], list[str]]

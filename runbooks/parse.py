@@ -39,62 +39,9 @@ from typing import Any, Literal
 
 import yaml
 
+from stepwatch import causes
 from stepwatch.thresholds import Thresholds, anchor
 from stepwatch.thresholds import load as load_thresholds
-
-# The shared cause vocabulary: what triage may name.  One line each, for people.
-CAUSES: dict[str, str] = {
-    "recompile_unwarmed_shape": "a served shape was not on the warm-up list; torch.compile compiled it on live "
-                                "requests",
-    "compile_cache_evicted": "a warmed shape compiled again: the compiled-graph cache or a guard dropped it",
-    "compile_disabled": "torch.compile is off (eager mode): same FLOPs, much lower MFU",
-    "config_changed": "a runtime knob changed (cache kind or threshold, VAE tiling, compile)",
-    "fingerprint_changed": "the deployment changed (weights, library versions, compile mode, parallel degree); "
-                           "baselines were captured on another one",
-    "straggler_rank": "one sequence-parallel rank is slower (another process, heat, a bad link, an injected delay); "
-                      "every step waits for it",
-    "gpu_throttling": "a GPU clock is throttled (thermal or power)",
-    "cpu_contention": "another process competes for the pipeline's CPUs (a noisy neighbour): the host side of "
-                      "every step runs late",
-    "instance_slowdown": "this instance got slower per step than its baseline (see StepwatchStepTimeRegression)",
-    "bad_instance": "one instance differs from the rest (FP8 scales, parallel degree, a broken GPU)",
-    "cache_threshold_too_high": "the cross-step cache reuses too often (threshold too high): faster, blurred or "
-                                "greyed images",
-    "cache_disabled": "the cross-step cache is off or no longer hits: every step computes, so steps are slower",
-    "cache_on_distilled_model": "a cache is hitting on a few-step (distilled) model, which should see no hits",
-    "prompt_mix_shift": "the prompt mix changed, and with it how often an adaptive cache hits",
-    "vae_tiling_off": "VAE decode runs untiled at a high resolution (full-resolution feature maps)",
-    "shape_too_large": "the shape (resolution, frames, batch) does not fit the device even with tiling",
-    "out_of_memory": "requests fail with out-of-memory (see StepwatchOutOfMemory for the stage and the fix)",
-    "fp8_scale_saturation": "activations overflow their dtype (FP8 per-tensor scales saturated by outliers, fp16 "
-                            "overflow)",
-    "under_provisioned": "the pool has too few workers for its load; diffusion is compute-bound, only more "
-                         "instances (or fewer steps) help",
-    "queue_backlog": "work piled up on one instance (uneven routing, or that instance is slow)",
-    "cold_start": "instances are still loading weights or compiling (not ready yet)",
-    "worker_crashed": "the worker process died and restarts",
-    "worker_hung": "the worker process is alive but frozen: it answers nothing, its own metrics included",
-    "collective_hang": "a rank waits in a collective the other ranks never enter (ranks that disagree, a rank "
-                       "stuck or gone)",
-    "pipeline_exception": "the pipeline raised errors that are not OOMs",
-    "stream_steps_raised": "streaming sessions run more steps per chunk than real time allows",
-    "stream_window_long": "the streaming KV window was made longer: every chunk attends to more tokens",
-    "kv_window_too_long": "a streaming session's KV window does not fit the KV memory (the window was raised)",
-    "kv_memory_full": "the streaming sessions' KV caches together need more than the KV memory (too many or too "
-                      "large sessions)",
-    "stream_late_steps_cut": "streaming chunks after the first few are sampled with fewer steps: each is left less "
-                             "denoised and every later chunk builds on it (drift)",
-    "stream_window_changed": "the streaming KV window was changed from its start-up value: a shorter one gives late "
-                             "chunks less context to stay consistent with",
-    "target_unreachable": "the probed service cannot be reached",
-    "baseline_missing": "the quality baseline did not load (missing files, bad checksum)",
-    "process_down": "the scraped process is down or hangs while its host is up",
-    "host_down": "the whole host or pod is gone (all its targets are down)",
-    "node_down": "a whole fleet node is gone: its Prometheus agent and its replicas with it",
-    "agent_down": "a fleet node's Prometheus agent is down while its replicas still serve: only that node's "
-                  "monitoring is gone",
-    "exporter_hook_broken": "a stepwatch hook fails (usually a diffusers or torch API change)",
-}
 
 # Causes whose one incident spans more than one place (triage groups by it; any other cause: one pod or host).
 CAUSE_SCOPE: dict[str, str] = {"under_provisioned": "pool", "node_down": "node", "agent_down": "node"}
@@ -425,7 +372,27 @@ def load_all(directory: str | Path | None = None) -> dict[str, Runbook]:
     return out
 
 
-NOT_RUNBOOKS = {"README.md", "fault-table.md", "drills.md"}
+NOT_RUNBOOKS = causes.NOT_RUNBOOKS  # README, the fault table and the drills are no runbooks
+
+
+def declared_causes(text: str, file: str = "<text>") -> dict[str, str]:
+    """The causes a runbook's ```causes blocks declare (stepwatch.causes); a malformed block is a RunbookError."""
+    try:
+        return causes.declared_causes(text, file)
+    except causes.CausesError as e:
+        raise RunbookError(str(e)) from None
+
+
+def load_causes(directory: str | Path | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """The cause vocabulary of the runbooks in ``directory`` (default: the packaged ones); see stepwatch.causes."""
+    try:
+        return causes.load_causes(Path(directory) if directory is not None else runbooks_dir())
+    except causes.CausesError as e:
+        raise RunbookError(str(e)) from None
+
+
+# The shared cause vocabulary: what triage may name, one line each for people; declared by the runbooks.
+CAUSES, CAUSE_RUNBOOK = load_causes()
 
 
 @dataclass(frozen=True)

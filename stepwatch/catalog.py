@@ -285,6 +285,16 @@ METRICS: tuple[MetricDef, ...] = (
 
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}
 
+# Series that rules, panels and runbook checks read but no stepwatch part emits, with the labels they carry
+# besides job and instance (None: any label, e.g. every label of the alert).  Prometheus makes these itself:
+# ``up`` with the target labels service discovery sets (pod; node as the fleet's agents' external label).
+PROMETHEUS_SERIES: dict[str, frozenset[str] | None] = {
+    "up": frozenset({"pod", "node"}), "ALERTS": None, "ALERTS_FOR_STATE": None,
+}
+# The fleet's other parts: haproxy's built-in exporter (the balancer's health check of each replica), whose
+# series the fleet's agents label with their node.
+FOREIGN_SERIES: dict[str, frozenset[str]] = {"haproxy_server_status": frozenset({"proxy", "server", "state", "node"})}
+
 _NAME_RE = re.compile(r"^stepwatch_[a-z]+_[a-z0-9_]+$")
 _UNITS = ("_seconds", "_bytes", "_tokens", "_ratio", "_total", "_flops", "_per_second", "_hertz", "_celsius",
           "_watts", "_decibels", "_stale", "_ok", "_up", "_depth", "_ready", "_branches", "_active")
@@ -316,6 +326,11 @@ def series_names(owner: Owner | None = None) -> set[str]:
         if owner is None or m.owner == owner:
             out.update(m.series_names())
     return out
+
+
+def readable_names() -> set[str]:
+    """Every series name a query may read besides recording rules: stepwatch's own, Prometheus', foreign ones."""
+    return series_names() | set(PROMETHEUS_SERIES) | set(FOREIGN_SERIES)
 
 
 validate()

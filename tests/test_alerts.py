@@ -18,7 +18,7 @@ import yaml
 
 from stepwatch import httpclient
 from stepwatch.alerts import cli_rules, generate, gotemplate, promql, promtests, rulegen, stack
-from stepwatch.catalog import MEMORY_RATIO_BUCKETS, series_names
+from stepwatch.catalog import MEMORY_RATIO_BUCKETS, readable_names
 from stepwatch.procs import free_port
 from stepwatch.thresholds import SEVERITIES, ThresholdsError, load, parse
 from tests.conftest import need_tool
@@ -253,7 +253,7 @@ def test_profiles_differ_only_in_timing(th: Any) -> None:
 
 
 def test_rules_read_only_known_series(th: Any) -> None:
-    known = series_names() | rulegen.recorded_names(th) | {"up"}
+    known = readable_names() | rulegen.recorded_names(th)
     for p in PROFILES:
         recording, alerting = _rules(th, p)
         for r in recording + alerting:

@@ -18,15 +18,13 @@ import pytest
 
 from stepwatch.alerts import promql, rulegen
 from stepwatch.alerts.promql import agg, sel
-from stepwatch.catalog import series_names
+from stepwatch.catalog import readable_names
 from stepwatch.fault_injection import queries
 from stepwatch.runbooks import parse
 from stepwatch.thresholds import PROFILES, Thresholds, load
 from tests.test_runbooks import EXAMPLE_LABELS  # one set of example label values
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILTINS = {"up", "ALERTS", "ALERTS_FOR_STATE"}  # series Prometheus makes itself
-FREE_LABELS = {"ALERTS", "ALERTS_FOR_STATE"}  # carry every label of their alert
 QUERY_METHODS = {"query", "value", "query_range"}  # the Prometheus client's methods that take PromQL
 
 
@@ -36,7 +34,7 @@ def th() -> Thresholds:
 
 
 def _known(th: Thresholds) -> set[str]:
-    return series_names() | rulegen.recorded_names(th) | BUILTINS | set(promql.FOREIGN_SERIES)
+    return readable_names() | rulegen.recorded_names(th)
 
 
 def problems(where: str, query: str, known: set[str]) -> list[str]:
@@ -46,7 +44,7 @@ def problems(where: str, query: str, known: set[str]) -> list[str]:
     out += [f"{where}: unknown series {n}" for n in sorted(names - known)]
     for name, labels in promql.selector_labels(query).items():
         can = promql.known_labels(name)
-        if name not in FREE_LABELS and can is not None and not labels <= can:
+        if can is not None and not labels <= can:
             out.append(f"{where}: {name} has no label {sorted(labels - can)}")
     return out
 

@@ -14,7 +14,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from stepwatch.alerts import defs, promql, rulegen
-from stepwatch.catalog import METRICS, series_names
+from stepwatch.catalog import METRICS, readable_names
 from stepwatch.runbooks import parse
 from stepwatch.runbooks.parse import CAUSES, RunbookError
 from stepwatch.thresholds import PROFILES, load
@@ -118,7 +118,7 @@ def test_every_check_query_parses_as_promql(th: Any, runbooks: dict[str, parse.R
 
 
 def test_checks_name_only_series_that_exist(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
-    known = series_names() | rulegen.recorded_names(th) | {"up"} | set(promql.FOREIGN_SERIES)
+    known = readable_names() | rulegen.recorded_names(th)
     for alert, cid, p, q in _rendered(th, runbooks):
         names = promql.metric_names(q)
         assert names, (alert, cid)
@@ -296,6 +296,23 @@ def test_fault_table_links_resolve() -> None:
     for cause in re.findall(r"`([a-z_0-9]+)`", text):
         if "_" in cause and not cause.startswith("stepwatch"):
             assert cause in CAUSES, cause
+
+
+def test_causes_are_declared_once_in_the_runbooks(tmp_path: Path) -> None:
+    """The vocabulary is the runbooks' ```causes blocks: one line each (indented lines go on), once in all."""
+    text = "## Mitigation\n\n```causes\nfoo_bar: one\n  line\nbaz: two\n```\n\n- **Foo** (`foo_bar`): fix\n"
+    assert parse.declared_causes(text) == {"foo_bar": "one line", "baz": "two"}
+    with pytest.raises(RunbookError, match="cause_id: what it means"):
+        parse.declared_causes("```causes\nNot a cause\n```\n", "x.md")
+    (tmp_path / "a.md").write_text(text)
+    (tmp_path / "README.md").write_text("```causes\nignored: README is no runbook\n```\n")
+    assert parse.load_causes(tmp_path) == ({"foo_bar": "one line", "baz": "two"}, {"foo_bar": "a.md", "baz": "a.md"})
+    (tmp_path / "b.md").write_text("```causes\nbaz: again\n```\n")
+    with pytest.raises(RunbookError, match=re.escape("b.md: cause 'baz' is already declared in a.md")):
+        parse.load_causes(tmp_path)
+    assert set(parse.CAUSE_RUNBOOK) == set(CAUSES)
+    for cause, file in parse.CAUSE_RUNBOOK.items():  # declared where a check of that runbook names it
+        assert cause in parse.load(file).causes(), (cause, file)
 
 
 def _doc(item: str) -> str:

@@ -25,6 +25,7 @@ from stepwatch.thresholds import load
 from stepwatch.triage import render, scoring
 from stepwatch.triage.engine import Alert, triage, webhook_payload
 from stepwatch.triage.evaluate import evaluate
+from stepwatch.triage.false_alarms import committed_scenarios
 from stepwatch.triage.in_hand import write_in_hand
 from stepwatch.triage.receiver import TriageServer
 from stepwatch.triage.record import load_scenario, record_scenario
@@ -235,7 +236,27 @@ def test_record_round_trip(replays: dict[str, Replay], tmp_path: Path) -> None:
         assert report.causes == ["straggler_rank"]
 
 
-COMMITTED = {"faults": 113, "controls": 47, "false_alarms": 23}  # triage/README.md, "The evaluation set"
+def committed_set() -> dict[str, Any]:
+    """The committed set as it is on disk: what `triage eval` must count (triage/README.md, "The evaluation set")."""
+    scenarios = committed_scenarios(SCENARIOS)
+    faults = [sc for sc in scenarios if sc.get("expected_cause") is not None]
+    return {"cases": len(scenarios), "faults": len(faults), "controls": len(scenarios) - len(faults),
+            "false_alarms": sorted(sc["expected_alert"] for sc in scenarios if sc.get("kind") == "false_alarm"),
+            "fault_alerts": {sc["expected_alert"] for sc in faults}}
+
+
+def test_every_alert_has_exactly_one_false_alarm_and_faults_name_known_alerts() -> None:
+    """The set's shape, from the thresholds and the recordings: one false alarm per alert, nothing else."""
+    th = load()
+    committed = committed_set()
+    assert committed["false_alarms"] == sorted(spec.name for spec in th.alerts.values())
+    assert committed["fault_alerts"] <= {spec.name for spec in th.alerts.values()}
+    recorded = {p.parent.name for p in SCENARIOS.glob("*/samples.om.gz")}
+    for sc in committed_scenarios(SCENARIOS):  # every case replays a recording on disk, its own or a control's
+        assert (sc.get("samples_from") or sc["name"]) in recorded, sc["name"]
+        if sc.get("kind") == "false_alarm":
+            assert sc["expected_cause"] is None and sc["samples_from"] != sc["name"], sc["name"]
+    assert committed["faults"] > 0 and committed["controls"] > len(committed["false_alarms"])
 # Cases recorded fresh and wrong on the runbooks as they are: open defects, kept in the set so that the score
 # says so (triage/README.md); a fix is scored on a fresh recording, not on these.  Run 9's four others left
 # the set when their runbooks (or their label) changed because of them; runs 12-14 score those changes.
@@ -253,10 +274,10 @@ def test_eval_over_committed_scenarios() -> None:
     assert r.returncode == (1 if KNOWN_MISSES else 0), r.stdout + r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert tuple(summary) == scoring.KEYS
-    kinds = [load_scenario(p.parent).get("kind") for p in SCENARIOS.glob("*/scenario.yaml")]
-    assert (summary["faults"], summary["controls"]) == (COMMITTED["faults"], COMMITTED["controls"])
-    assert summary["cases"] == len(kinds) == COMMITTED["faults"] + COMMITTED["controls"]
-    assert kinds.count("false_alarm") == COMMITTED["false_alarms"] == len(load().alerts)  # every alert once
+    committed = committed_set()
+    assert (summary["cases"], summary["faults"], summary["controls"]) == (
+        committed["cases"], committed["faults"], committed["controls"])
+    assert len(committed["false_alarms"]) == len(load().alerts)  # every alert once
     # Issue 13's bars: AC@1 >= 0.9, AC@3 >= 0.97, 0 false causes on controls, a lookup table at most 0.6.
     assert summary["ac1"] >= 0.9 and summary["ac3"] >= 0.97 and 0 < summary["strict_precision"] <= 1.0
     assert summary["lookup_baseline_ac1"] <= 0.6

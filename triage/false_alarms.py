@@ -13,11 +13,15 @@ real one from that service would.  A scenario here holds no samples of its own:
 
     stepwatch triage false-alarms --control triage/scenarios/control-1rank-aot_eager-1 \\
         --control triage/scenarios/control-2rank-1 --out triage/scenarios
+
+A new alert gets its control with ``stepwatch triage false-alarms --missing``: only the alerts
+without one are written, on the quiet recordings the committed false alarms replay most.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +63,31 @@ def false_alarm(th: Thresholds, key: str, labels: dict[str, str], at: float, pro
     since = at - spec.for_seconds(profile) - parse_duration(th.profiles[profile].evaluation_interval)
     return Alert(spec.name, {"alertname": spec.name, **labels, **rulegen.alert_labels(spec, profile)},
                  rulegen.alert_annotations(th, spec, profile), _iso(since))
+
+
+def committed_scenarios(scenarios: Path) -> list[dict[str, Any]]:
+    """Every scenario.yaml under ``scenarios``, in name order."""
+    return [load_scenario(p.parent) for p in sorted(scenarios.glob(f"*/{SCENARIO_FILE}"))]
+
+
+def missing_keys(scenarios: Path, th: Thresholds) -> list[str]:
+    """Alert keys that have no false-alarm scenario under ``scenarios``."""
+    have = {sc.get("expected_alert") for sc in committed_scenarios(scenarios) if sc.get("kind") == "false_alarm"}
+    return [key for key, spec in th.alerts.items() if spec.name not in have]
+
+
+def usual_controls(scenarios: Path) -> list[Path]:
+    """The quiet recordings the committed false alarms replay most: a one-rank one, then a two-rank one.
+
+    A new alert's false alarm is presented on the same samples as its neighbours', so the set
+    grows by one case and no recording.
+    """
+    used = Counter(str(sc["samples_from"]) for sc in committed_scenarios(scenarios)
+                   if sc.get("kind") == "false_alarm" and sc.get("samples_from"))
+    ranked = [name for name, _ in used.most_common() if (scenarios / name / SCENARIO_FILE).is_file()]
+    one = [n for n in ranked if "2rank" not in n][:1]
+    two = [n for n in ranked if "2rank" in n][:1]
+    return [scenarios / n for n in one + two]
 
 
 def write_false_alarms(control: Path, out: Path, keys: list[str], th: Thresholds | None = None) -> list[Path]:
