@@ -80,7 +80,7 @@ def missing_pieces(th: Thresholds, root: Path) -> list[str]:
             out.append(f"{who}: no runbook runbooks/{spec.runbook_file}")
         if spec.panel not in titles:
             out.append(f"{who}: no panel titled {spec.panel!r} on {DASHBOARD} (add it to its row in "
-                       "dashboards/overview.py)")
+                       "dashboards/rows_<subsystem>.py)")
     return out
 
 
@@ -125,7 +125,7 @@ def test_a_new_alert_without_its_pieces_names_each(raw: dict[str, Any]) -> None:
         "StepwatchFakeSignal (alerts.fake_signal): no AlertDef in alerts/defs/service.py",
         "StepwatchFakeSignal (alerts.fake_signal): no runbook runbooks/fake-signal.md",
         "StepwatchFakeSignal (alerts.fake_signal): no panel titled 'Fake signals, by pool' on "
-        "dashboards/stepwatch-overview.json (add it to its row in dashboards/overview.py)",
+        "dashboards/stepwatch-overview.json (add it to its row in dashboards/rows_<subsystem>.py)",
     ]
 
 
