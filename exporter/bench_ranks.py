@@ -26,15 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from stepwatch.exporter.bench import _ci
-from stepwatch.exporter.ranks import (
-    _TARGET,
-    INTERVAL_S,
-    PerRequestReporter,
-    RankReporter,
-    Timeline,
-    publish_ranks,
-    stamping,
-)
+from stepwatch.exporter.rank_align import publish_ranks
+from stepwatch.exporter.rank_timeline import INTERVAL_S, Timeline, stamping
+from stepwatch.exporter.ranks import _TARGET, PerRequestReporter, RankReporter
 
 VARIANTS = ("bare", "before", "now")
 
