@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 from stepwatch.bench.overhead import StubPipeline
 from stepwatch.catalog import METRICS
 from stepwatch.exporter import instrument
-from stepwatch.exporter.ranks import PerRequestReporter, publish_ranks
+from stepwatch.exporter.rank_align import publish_ranks
+from stepwatch.exporter.ranks import PerRequestReporter
 from stepwatch.exporter.sidecar.nvml import NvmlCollector
 from stepwatch.exporter.sidecar.prober import quality_metrics
 from stepwatch.exposition import Renderer

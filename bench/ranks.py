@@ -25,15 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from stepwatch.bench.overhead import _ci
-from stepwatch.exporter.ranks import (
-    _TARGET,
-    INTERVAL_S,
-    PerRequestReporter,
-    RankReporter,
-    Timeline,
-    publish_ranks,
-    stamping,
-)
+from stepwatch.exporter.rank_align import publish_ranks
+from stepwatch.exporter.rank_timeline import INTERVAL_S, Timeline, stamping
+from stepwatch.exporter.ranks import _TARGET, PerRequestReporter, RankReporter
 from stepwatch.procs import free_port
 
 VARIANTS = ("bare", "before", "now")

@@ -1,6 +1,6 @@
 """The dashboard builder: rows, panels and variables on grafana-foundation-sdk, in layout order.
 
-A row function of ``dashboards/overview.py`` says *what* a panel shows (title, description,
+A row function (``dashboards/rows_*.py``) says *what* a panel shows (title, description,
 queries, alert lines); ``Board`` says *how* Grafana gets it: ids in layout order (so they never
 change by accident), the datasource variable on every panel and query, dashed alert and
 reference lines, runbook links and the alert's summary in the description.
@@ -25,7 +25,15 @@ from stepwatch.thresholds import ALERT_PREFIX, Thresholds
 F_INSTANCE = 'instance=~"$instance"'
 F_POOL = 'pool=~"$pool"'
 F_SHAPE = 'shape=~"$shape"'
+INST = F_INSTANCE  # every overview query filters by the instance variable
+RATE = "$__rate_interval"
 RED, BLUE, GREEN = "red", "blue", "green"
+
+
+def diagnosis(th: Thresholds, key: str) -> float | None:
+    """A number of the thresholds' diagnosis section, or None when the file does not define it."""
+    v = th.diagnosis.get(key)
+    return float(v) if isinstance(v, (int, float)) else None
 
 
 @dataclass(frozen=True)

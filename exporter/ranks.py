@@ -44,22 +44,23 @@ enqueued on the stream, so host stamps read late arrivals as early.  Not impleme
 the stamps from CUDA events recorded around the collective and resolved later (the design is in the
 README, "GPU check").  Ranks on different hosts compare wall clocks, which NTP/PTP keeps within a millisecond
 or so on a GPU cluster; the stamps of one host are exact.
+
+Here: the ``RankReporter`` that installs the stamps and runs the shipping thread.  Each rank's side
+(stamps, chunks, the store channel) is in ``rank_timeline.py``; rank 0's alignment in ``rank_align.py``.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
-import json
 import logging
 import threading
 import time
-from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from stepwatch.exporter.cpu import ThreadTotals
+from stepwatch.exporter.rank_align import STALE_HEARTBEAT_S, Aligner, finish_request
+from stepwatch.exporter.rank_timeline import INTERVAL_S, Channel, Shipper, StoreChannel, Timeline, stamping
 from stepwatch.metrics import ExporterMetrics
 
 log = logging.getLogger("stepwatch.exporter.ranks")
@@ -68,303 +69,6 @@ _TARGET = ("diffusers.models.attention_dispatch", "_wait_tensor")
 # The other collective of every transformer call: the output's all-gather (funcol, waited on lazily when the
 # tensor is used, so not through _wait_tensor).  Stamped by waiting for it through the stamped wait.
 _GATHER = ("diffusers.hooks.context_parallel", "EquipartitionSharder", "unshard")
-INTERVAL_S = 1.0
-STALE_REQUEST_S = 120.0  # a request no rank has shipped anything of for this long is dropped from alignment
-STALE_HEARTBEAT_S = 5 * INTERVAL_S  # a rank silent this long is not shipping: frozen or stuck
-BEGIN_TOLERANCE_S = 0.02  # clocks of ranks on different hosts differ by about a millisecond
-MAX_QUEUED_CHUNKS = 120  # a follower stops pushing while this many wait for rank 0 (two minutes' worth)
-RETIRED_KEPT = 1024  # finished request indices remembered, so a late chunk of one is not a new request
-
-
-class _Discard(list[tuple[float, float]]):
-    """Where stamps go between requests (a warm-up outside the pipeline's call, another model): nowhere."""
-
-    def append(self, _item: object) -> None:
-        pass
-
-
-_DISCARD: list[tuple[float, float]] = _Discard()
-
-
-class Timeline:
-    """One rank's stamps: the hot path appends ``(arrival, departure)`` per collective to ``marks``."""
-
-    def __init__(self, clock: Callable[[], float] = time.time,
-                 cpu_wait: Callable[[], float | None] = lambda: None) -> None:
-        self.clock, self.cpu_wait = clock, cpu_wait
-        self._cpu_at_begin: float | None = None
-        self.request_cpu_wait: dict[int, float] = {}  # request -> its threads' waits for a CPU during it
-        self.request = -1
-        self.marks: list[tuple[float, float]] = _DISCARD
-        self.by_request: dict[int, list[tuple[float, float]]] = {}
-        self.began: dict[int, float] = {}  # request -> when this rank began it (until shipped)
-        self.ended: dict[int, int | None] = {}  # request -> steps (None until the report says)
-        self.in_since: float | None = None  # inside a collective since
-        self.progress = clock()  # last departure from a collective, or the request's start
-        self.inflight = False
-
-    def begin(self) -> int:
-        if self.inflight:  # the previous request never ended (its end failed): no report will come for it
-            self.end()
-            self.ended[self.request] = 0
-        self.request += 1
-        self.marks = self.by_request[self.request] = []
-        self.progress = self.began[self.request] = self.clock()
-        self.inflight = True
-        self._cpu_at_begin = self.cpu_wait()  # once per request: a few /proc reads
-        return self.request
-
-    def end(self) -> None:
-        self.inflight = False
-        self.marks = _DISCARD
-        self.ended.setdefault(self.request, None)
-        now, then = self.cpu_wait(), self._cpu_at_begin
-        if now is not None and then is not None:
-            self.request_cpu_wait[self.request] = max(0.0, now - then)
-
-    def steps(self, request: int, steps: int) -> None:
-        self.ended[request] = steps
-
-
-@dataclass
-class Chunk:
-    """What one rank ships per interval: new stamps per request, finished requests, its heartbeat."""
-
-    rank: int
-    sent: float
-    marks: dict[int, tuple[int, array[float]]] = field(default_factory=dict)  # request -> (first index, flat)
-    ended: dict[int, int] = field(default_factory=dict)  # request -> steps
-    ended_cpu_wait: dict[int, float] = field(default_factory=dict)  # request -> CPU waits during it
-    began: dict[int, float] = field(default_factory=dict)  # request -> when the rank began it
-    in_since: float | None = None
-    progress: float = 0.0
-    inflight: bool = False
-    request: int = -1  # the request the rank is on (or last ran)
-    cpu_wait: float | None = None  # cumulative seconds its threads waited for a CPU (None: not on Linux)
-
-    def encode(self) -> bytes:
-        """JSON, not pickle: rank 0 reads what any process that can reach the store wrote."""
-        d = {k: getattr(self, k) for k in ("rank", "sent", "ended", "ended_cpu_wait", "began", "in_since",
-                                           "progress", "inflight", "request", "cpu_wait")}
-        d["marks"] = {q: [start, flat.tolist()] for q, (start, flat) in self.marks.items()}
-        return json.dumps(d, separators=(",", ":")).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> Chunk:
-        """The chunk ``encode`` wrote; ValueError (or TypeError) on anything else."""
-        d = json.loads(data)
-        return cls(int(d["rank"]), float(d["sent"]),
-                   marks={int(q): (int(at), array("d", map(float, flat))) for q, (at, flat) in d["marks"].items()},
-                   ended={int(q): int(v) for q, v in d["ended"].items()},
-                   ended_cpu_wait={int(q): float(v) for q, v in d["ended_cpu_wait"].items()},
-                   began={int(q): float(v) for q, v in d["began"].items()},
-                   in_since=_float_or_none(d["in_since"]), progress=float(d["progress"]),
-                   inflight=bool(d["inflight"]), request=int(d["request"]), cpu_wait=_float_or_none(d["cpu_wait"]))
-
-
-def _float_or_none(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
-class Shipper:
-    """Cuts a rank's timeline into chunks, each stamp once; a request leaves when it is shipped whole."""
-
-    def __init__(self, timeline: Timeline, rank: int) -> None:
-        self.tl, self.rank = timeline, rank
-        self._sent: dict[int, int] = {}
-
-    def cut(self) -> Chunk:
-        tl = self.tl
-        c = Chunk(self.rank, tl.clock(), in_since=tl.in_since, progress=tl.progress, inflight=tl.inflight,
-                  request=tl.request, cpu_wait=tl.cpu_wait())
-        for q, marks in list(tl.by_request.items()):
-            steps = tl.ended.get(q)  # first: once the steps are known no stamp can follow, so n is final
-            start, n = self._sent.get(q, 0), len(marks)  # appends only grow the list: a stable prefix
-            if q in tl.began:
-                c.began[q] = tl.began.pop(q)
-            if n > start:
-                c.marks[q] = (start, array("d", [t for pair in marks[start:n] for t in pair]))
-                self._sent[q] = n
-            if steps is not None:
-                c.ended[q] = steps
-                c.ended_cpu_wait[q] = tl.request_cpu_wait.pop(q, 0.0)
-                del tl.by_request[q], tl.ended[q], self._sent[q]
-        return c
-
-
-class Channel(Protocol):
-    def send(self, chunk: Chunk) -> None: ...
-
-    def receive(self) -> list[Chunk]: ...
-
-
-class StoreChannel:
-    """Followers push encoded chunks onto a queue per rank in the process group's store; rank 0 pops them.
-
-    The store is the rendezvous TCPStore every process group already has: no extra port, no collective.
-    Keys carry the group's name, so reporters of two subgroups in one job do not read each other's chunks.
-    A follower whose rank 0 stopped popping stops pushing at ``MAX_QUEUED_CHUNKS`` (the requests it
-    misses are dropped by rank 0 as broken): the store does not grow without bound.
-    """
-
-    def __init__(self, store: Any, world: int, prefix: str = "stepwatch/ranks") -> None:
-        self.store, self.world, self.prefix = store, world, prefix
-        self.dropped = self.undecodable = 0
-
-    def send(self, chunk: Chunk) -> None:
-        key = f"{self.prefix}/{chunk.rank}"
-        if int(self.store.queue_len(key)) >= MAX_QUEUED_CHUNKS:
-            self.dropped += 1
-            return
-        self.store.queue_push(key, chunk.encode())
-
-    def receive(self) -> list[Chunk]:
-        out: list[Chunk] = []
-        for r in range(1, self.world):
-            key = f"{self.prefix}/{r}"
-            for _ in range(int(self.store.queue_len(key))):
-                try:
-                    out.append(Chunk.decode(self.store.queue_pop(key, False)))
-                except (ValueError, TypeError, KeyError, AttributeError):
-                    self.undecodable += 1  # not ours: the requests it carried will read as broken
-        return out
-
-
-@dataclass
-class _Request:
-    marks: dict[int, list[float]] = field(default_factory=dict)  # rank -> flat (arrival, departure)...
-    steps: dict[int, int] = field(default_factory=dict)
-    busy: dict[int, float] = field(default_factory=dict)
-    done: int = 1  # collectives charged so far; the first has no previous release to count from
-    last_seen: float = 0.0  # when a chunk last carried anything of it
-    began: dict[int, float] = field(default_factory=dict)
-    checked: bool = False  # the ranks agree it is the same request (see ``_same_request``)
-    broken: bool = False
-
-
-class Aligner:
-    """Rank 0: merges every rank's chunks, charges busy time per aligned collective, finishes requests."""
-
-    def __init__(self, world: int, clock: Callable[[], float] = time.time) -> None:
-        self.world, self.clock = world, clock
-        self.requests: dict[int, _Request] = {}
-        self.retired: dict[int, None] = {}  # finished or dropped request indices, oldest first
-        self.heartbeats: dict[int, Chunk] = {}
-        self.last: tuple[int, list[float], float] | None = None  # (request, busy s per step per rank, skew)
-        self.cpu_wait: dict[int, float] = {}  # per rank, waited for a CPU since the last take
-        self.late = self.mismatched = 0  # chunks of retired requests; requests the ranks disagreed on
-
-    def add(self, c: Chunk) -> None:
-        prev = self.heartbeats.get(c.rank)
-        self.heartbeats[c.rank] = c
-        for q, (start, flat) in c.marks.items():
-            req = self._request(q)
-            if req is None:
-                continue
-            have = req.marks.setdefault(c.rank, [])
-            if start != len(have) // 2:
-                req.broken = True  # a lost chunk: this request can no longer be aligned
-            have.extend(flat)
-        for q, began in c.began.items():
-            if (req := self._request(q)) is not None:
-                req.began[c.rank] = began
-        for q, steps in c.ended.items():
-            if (req := self._request(q)) is not None:
-                req.steps[c.rank] = steps
-                req.busy[c.rank] = req.busy.get(c.rank, 0.0) + c.ended_cpu_wait.get(q, 0.0)
-        if prev is not None and prev.cpu_wait is not None and c.cpu_wait is not None and c.cpu_wait >= prev.cpu_wait:
-            self.cpu_wait[c.rank] = self.cpu_wait.get(c.rank, 0.0) + c.cpu_wait - prev.cpu_wait
-
-    def _request(self, q: int) -> _Request | None:
-        """Request q, made when first heard of and marked as seen now; None once it is retired."""
-        if q in self.retired:
-            self.late += 1
-            return None
-        req = self.requests.get(q)
-        if req is None:
-            req = self.requests[q] = _Request()
-        req.last_seen = self.clock()
-        return req
-
-    def charge(self) -> dict[int, float]:
-        """Busy seconds per rank newly charged from the collectives every rank has now stamped."""
-        new = dict.fromkeys(range(self.world), 0.0)
-        for req in self.requests.values():
-            if req.broken or len(req.marks) < self.world:
-                continue
-            n = min(len(m) // 2 for m in req.marks.values())
-            if n and not req.checked and not self._same_request(req):
-                continue
-            for k in range(req.done, n):
-                released = min(m[2 * k - 1] for m in req.marks.values())
-                for r, m in req.marks.items():
-                    dt = max(0.0, m[2 * k] - released)
-                    req.busy[r] = req.busy.get(r, 0.0) + dt
-                    new[r] += dt
-            req.done = max(req.done, n)
-        return new
-
-    def _same_request(self, req: _Request) -> bool:
-        """Whether every rank began this request before any left its first collective (which needs them
-        all): a rank that began after that is counting another request.  Such a request is broken."""
-        if len(req.began) < self.world:
-            return True  # a chunk of a rank that does not say (left to the start-index check)
-        first_release = min(m[1] for m in req.marks.values())
-        if max(req.began.values()) > first_release + BEGIN_TOLERANCE_S:
-            req.broken = True
-            self.mismatched += 1
-            if self.mismatched == 1:
-                log.warning("ranks disagree on which request they run (began %s, first collective left at %.3f): "
-                            "such requests are dropped from the per-rank timing (logged once)",
-                            {r: round(b, 3) for r, b in sorted(req.began.items())}, first_release)
-            return False
-        req.checked = True
-        return True
-
-    def take_cpu_wait(self) -> dict[int, float]:
-        out, self.cpu_wait = self.cpu_wait, {}
-        return out
-
-    def finished(self) -> list[tuple[int, _Request]]:
-        """Requests every rank has finished and that are fully charged (or broken: not charged), or stale
-        (nothing heard of them for ``STALE_REQUEST_S``: marked broken): removed, and remembered as retired.
-        A broken request waits for every rank's end all the same, so its steps are counted once."""
-        out = []
-        now = self.clock()
-        for q, req in sorted(self.requests.items()):
-            ended = len(req.steps) == self.world
-            complete = ended and (req.broken or all(len(m) // 2 == req.done for m in req.marks.values()))
-            if not complete and now - req.last_seen > STALE_REQUEST_S:
-                req.broken = complete = True
-            if complete:
-                out.append((q, req))
-                del self.requests[q]
-                self.retired[q] = None
-        while len(self.retired) > RETIRED_KEPT:
-            del self.retired[next(iter(self.retired))]
-        return out
-
-    def stall(self, rank: int) -> tuple[float, float]:
-        """(seconds since the rank last made progress while running a request, seconds in its collective).
-
-        A rank waiting in a collective keeps shipping heartbeats (the wait releases the GIL), so a silent
-        rank is not known to wait: frozen inside a wait, it must not look like the rank waiting for it.
-        A silent rank while another runs a request, or waits in a collective (rank 0 sending the next
-        request), counts from its last heartbeat even if that said idle: it should be there too."""
-        hb = self.heartbeats.get(rank)
-        if hb is None:
-            return 0.0, 0.0
-        now = self.clock()
-        silent = now - hb.sent > STALE_HEARTBEAT_S
-        others_busy = any(h.inflight or (h.in_since is not None and now - h.sent <= STALE_HEARTBEAT_S)
-                          for r, h in self.heartbeats.items() if r != rank)
-        if hb.inflight:
-            age = now - hb.progress
-        elif others_busy and silent:
-            age = now - hb.sent
-        else:
-            age = 0.0
-        return age, now - hb.in_since if hb.in_since is not None and not silent else 0.0
 
 
 class PerRequestReporter:
@@ -381,42 +85,6 @@ class PerRequestReporter:
 
     def end_request(self) -> None:
         pass
-
-
-def stamping(orig: Callable[..., Any], tl: Timeline) -> Callable[..., Any]:
-    """``orig`` (a collective's wait) with the rank's arrival and departure stamped: the whole hot path.
-    Between requests ``tl.marks`` is a list that keeps nothing.  A wait of one parameter (diffusers'
-    ``_wait_tensor(tensor)``) gets a one-argument wrapper: packing ``*args, **kwargs`` costs ~70 ns per
-    collective, a third of the stamp; any other signature gets the general one."""
-    clock = tl.clock
-
-    def stamped_wait(tensor: Any) -> Any:
-        t0 = tl.in_since = clock()
-        try:
-            return orig(tensor)
-        finally:
-            t1 = tl.progress = clock()
-            tl.in_since = None
-            tl.marks.append((t0, t1))
-
-    def stamped_wait_any(*args: Any, **kwargs: Any) -> Any:
-        t0 = tl.in_since = clock()
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            t1 = tl.progress = clock()
-            tl.in_since = None
-            tl.marks.append((t0, t1))
-
-    return stamped_wait if _one_positional(orig) else stamped_wait_any
-
-
-def _one_positional(fn: Callable[..., Any]) -> bool:
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
 
 
 class RankReporter:
@@ -597,40 +265,15 @@ class RankReporter:
         now = self.aligner.clock()
         for r in range(1, self.world):
             hb = self.aligner.heartbeats.get(r)
-            silent = hb is not None and now - hb.sent > STALE_HEARTBEAT_S
+            quiet_s = now - hb.sent if hb is not None else 0.0
+            silent = quiet_s > STALE_HEARTBEAT_S
             if silent and r not in self._silent:
                 log.warning("rank %d has shipped nothing for %.0f s (frozen, stuck or gone): its per-rank "
-                            "gauges keep their last values", r, now - hb.sent)  # type: ignore[union-attr]
+                            "gauges keep their last values", r, quiet_s)
                 self._silent.add(r)
             elif not silent and r in self._silent:
                 log.info("rank %d ships its timings again", r)
                 self._silent.discard(r)
-
-
-def finish_request(aligner: Aligner, q: int, req: _Request, metrics: ExporterMetrics) -> None:
-    """A request every rank finished: its steps into the counters, its per-step busy time into the gauges.
-    Only a whole one sets the gauges: every rank's stamps, and at least one collective charged."""
-    for r, steps in req.steps.items():
-        metrics.rank_steps_total.labels(rank=str(r)).inc(steps)
-    steps = max(req.steps.values(), default=0)
-    whole = len(req.marks) == aligner.world and req.done > 1 and len(req.steps) == aligner.world
-    if req.broken or not steps or not whole:
-        return
-    per_step = [req.busy.get(r, 0.0) / steps for r in range(aligner.world)]
-    publish_ranks(per_step, metrics)
-    aligner.last = (q, per_step, skew(per_step))
-
-
-def skew(per_step: list[float]) -> float:
-    fastest = min(per_step)
-    return (max(per_step) - fastest) / fastest if fastest > 0 else 0.0
-
-
-def publish_ranks(per_step: list[float], metrics: ExporterMetrics) -> None:
-    """The per-request gauges: each rank's busy seconds per step, and the skew between the ranks."""
-    for r, b in enumerate(per_step):
-        metrics.rank_step_duration_seconds.labels(rank=str(r)).set(b)
-    metrics.rank_skew_ratio.set(skew(per_step))
 
 
 def _rank_and_world(group: Any, rank: int | None, world: int | None) -> tuple[int, int]:

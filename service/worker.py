@@ -6,35 +6,31 @@ one request, never the instance.  The budget is an address-space limit
 CPU stand-in for a GPU's memory.  Compilation is host work, not "device"
 memory, so the limit is lifted while torch.compile runs and re-based after.
 
-The messages it receives and sends are in ``messages.py``.  Only the spawned
-worker process imports this module (and torch); the HTTP process never does.
+Here: set-up, warm-up and the message loop.  The Worker's other parts are
+beside it: the budget (``worker_memory.py``), the knobs (``worker_knobs.py``)
+and the requests (``worker_requests.py``).  The messages it receives and sends
+are in ``messages.py``.  Only the spawned worker process imports these modules
+(and torch); the HTTP process never does.
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
-import io
 import logging
 import os
-import resource
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
-import numpy as np
 import torch
 import torch._dynamo
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
-from PIL import Image
 from prometheus_client import CollectorRegistry, disable_created_metrics
-from torch._dynamo.callback import callback_handler
 
 from stepwatch.exporter import instrument
-from stepwatch.exporter.memory import _status, is_oom
+from stepwatch.exporter.memory import is_oom
 from stepwatch.exporter.ranks import RankReporter
 from stepwatch.exposition import serve_metrics
 from stepwatch.service import knobs as knob_rules
@@ -44,71 +40,30 @@ from stepwatch.service.config import parse, parse_size
 from stepwatch.service.fingerprint import fingerprint
 from stepwatch.service.messages import (
     ErrorMsg,
-    GenerateMsg,
     InfoReply,
     Ledger,
     RankProc,
     ReadyMsg,
     Reply,
-    ResultMsg,
     SessionMsg,
     ToWorker,
     WarmupRun,
 )
-from stepwatch.service.pipeline import build_pipeline, prompt_words, weights_digest
-from stepwatch.service.video import CONTENT_TYPE, JobCancelled, encode_mp4, set_decode_chunk, to_uint8
+from stepwatch.service.pipeline import build_pipeline, weights_digest
+from stepwatch.service.worker_knobs import Knobs
+from stepwatch.service.worker_memory import Budget, keep_address_space_returnable, malloc_trim, vm_status
+from stepwatch.service.worker_requests import Requests, internal_message
 
 log = logging.getLogger("stepwatch.service.worker")
-TRIM_SLACK_BYTES = 64 << 20  # above the last trimmed RSS by this much after a request: return freed heap
-
-
-def _malloc_trim() -> None:
-    """Give freed heap back to the OS, so an OOM's garbage does not stay resident."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-def _vm() -> dict[str, int]:
-    return _status()
-
-
-class Budget:
-    """RLIMIT_AS = footprint + headroom, lifted during compiles."""
-
-    def __init__(self, headroom_bytes: int | None) -> None:
-        self.headroom = headroom_bytes
-        self.limit: int | None = None
-        self._lifted = False
-
-    def arm(self) -> None:
-        if self.headroom is None:
-            return
-        self.limit = _vm()["VmSize"] + self.headroom
-        resource.setrlimit(resource.RLIMIT_AS, (self.limit, resource.RLIM_INFINITY))
-
-    def lift(self, _args: Any = None) -> None:
-        if self.limit is not None and not self._lifted:
-            resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-            self._lifted = True
-
-    def rearm(self, _args: Any = None) -> None:
-        if self._lifted:
-            self._lifted = False
-            self.arm()
-
-    def install_compile_hooks(self) -> None:
-        if self.lift not in callback_handler.start_callbacks:
-            callback_handler.register_start_callback(self.lift)
-            callback_handler.register_end_callback(self.rearm)
 
 
 def _broadcast_box(box: list[Any]) -> None:
     dist.broadcast_object_list(box, src=0)
 
 
-class Worker:
+class Worker(Knobs, Requests):
+    """One rank's pipelines, their knobs and the loop that serves them (rank 0 answers the server)."""
+
     def __init__(self, cfg: dict[str, Any], conn: Connection | None, rank: int = 0, world: int = 1,
                  cancel: Any = None) -> None:
         self.cfg = parse(cfg)
@@ -233,8 +188,8 @@ class Worker:
         if self.budget.limit is not None:
             self.budget.install_compile_hooks()
         self.inst.refresh_capacity()
-        _malloc_trim()
-        self.rss_floor = _vm().get("VmRSS", 0)
+        malloc_trim()
+        self.rss_floor = vm_status().get("VmRSS", 0)
 
     def warmup(self) -> list[WarmupRun]:
         """Compile (if on) and measure every warm-up size: twice each, the second run is the steady state.
@@ -316,17 +271,6 @@ class Worker:
             log.warning("compiled graphs dropped: every shape compiles again on its next request")
         return dict(self.knobs)
 
-    def _apply_attention(self, knobs: dict[str, Any]) -> bool:
-        """The attention backend knob (diffusers' dispatch); True when a compiled service must re-warm."""
-        self.knobs.setdefault("attention_backend", "native")
-        backend = knobs.get("attention_backend")
-        if backend is None or backend == self.knobs["attention_backend"]:
-            return False
-        # "native" is set, not reset: diffusers' reset_attention_backend() leaves the forced kernel in use.
-        self.pipe.transformer.set_attention_backend(backend)
-        self.knobs["attention_backend"] = backend
-        return self.compile_active
-
     def _rewarm(self) -> None:
         """Warm up again after a knob changed the compiled forward.  A forward that no longer runs (an attention
         kernel the device lacks) fails its warm-up as it fails every request: the knob stays, as a deploy would,
@@ -338,197 +282,8 @@ class Worker:
                 raise
             log.error("re-warm failed with the new knobs, which stay in place: %s: %s", type(e).__name__, e)
 
-    def _apply_video_knobs(self, knobs: dict[str, Any]) -> None:
-        """The video pipeline's own cache (a distilled model should have none) and its decode chunk."""
-        vp = self.video_pipe
-        if vp is None:
-            return
-        if "video_cache" in knobs or "video_cache_threshold" in knobs:
-            kind = knobs.get("video_cache", self.knobs.get("video_cache", "none"))
-            threshold = knobs.get("video_cache_threshold", self.knobs.get("video_cache_threshold"))
-            apply_cache(vp, kind, threshold, steps=self.cfg.video.default_steps)
-            self.knobs["video_cache"], self.knobs["video_cache_threshold"] = kind, threshold
-        if "video_decode_chunk_frames" in knobs:
-            set_decode_chunk(vp.vae, int(knobs["video_decode_chunk_frames"]))
-            self.knobs["video_decode_chunk_frames"] = int(knobs["video_decode_chunk_frames"])
-
-    @property
-    def _rank_reporter(self) -> Any:
-        """The instrumentation's rank reporter (None with one rank or before set-up)."""
-        return self.inst.options.rank_reporter if self.inst is not None else None
-
-    @property
-    def _stamp(self) -> Any:
-        """With ranks, the rank reporter's stamp: the cache's agreement all-reduce counts as a collective."""
-        reporter = self._rank_reporter
-        return reporter.stamp if reporter is not None else None
-
-    def close_ranks(self) -> None:
-        """Stop the rank reporter's shipping thread before the process group goes (see RankReporter.close)."""
-        if self._rank_reporter is not None:
-            self._rank_reporter.close()
-
-    def _apply_cache(self, knobs: dict[str, Any]) -> bool:
-        """The cache knobs; True when the cache kind changed on a compiled service (it must re-warm)."""
-        if "cache" not in knobs and "cache_threshold" not in knobs:
-            return False
-        before = current(self.pipe.transformer)[0]
-        kind = knobs.get("cache", before)
-        threshold = knobs.get("cache_threshold", self.knobs.get("cache_threshold"))
-        apply_cache(self.pipe, kind, threshold, steps=self.cfg.default_steps, stamp=self._stamp)
-        self.knobs["cache"] = kind
-        self.knobs["cache_threshold"] = threshold
-        # Another cache kind changes the blocks' forward: a compiled service re-warms its shapes, as a
-        # redeploy with the new config would (a threshold change alone edits the hook in place).
-        return bool(kind != before and self.compile_active)
-
-    def _set_compile(self, on: bool) -> None:
-        # Regional compile shares one code object (the hook's forward) across all blocks, and the
-        # cache hooks add variants: Dynamo's default limit of 8 would silently fall back to eager
-        # after a few shapes and hide exactly the serving recompiles the service must show.
-        torch._dynamo.config.recompile_limit = 256
-        torch._dynamo.config.accumulated_recompile_limit = 4096
-        tr = self.pipe.transformer
-        mode, backend = self.cfg.compile.mode, self.cfg.compile.backend
-        if on:
-            if mode == "regional":
-                tr.compile_repeated_blocks(backend=backend, dynamic=False)
-            else:
-                tr.compile(backend=backend, dynamic=False)
-        else:
-            for m in tr.modules():
-                if getattr(m, "_compiled_call_impl", None) is not None:
-                    m._compiled_call_impl = None
-        self.compile_active = on
-
-    # ----- requests -------------------------------------------------------------------------
-    def _run(self, req: GenerationRequest) -> Any:
-        kwargs: dict[str, Any] = {}
-        if req.cfg:
-            kwargs = {"negative_prompt": "", "true_cfg_scale": req.guidance_scale}
-        delay = self.rank_delays.get(self.rank, 0.0)
-        callback = None
-        if delay > 0:
-            def callback(_p: Any, _i: int, _t: Any, kw: dict[str, Any]) -> dict[str, Any]:
-                time.sleep(delay)  # a straggler: this rank's every step is slower
-                return kw
-        return self.pipe(
-            prompt_words(req.prompt), height=req.height, width=req.width, num_inference_steps=req.steps,
-            num_images_per_prompt=req.n, max_sequence_length=self.cfg.text_tokens, output_type="np",
-            generator=torch.Generator().manual_seed(req.seed), callback_on_step_end=callback, **kwargs)
-
-    def _run_video(self, req: GenerationRequest, msg_id: str | None) -> Any:
-        """One video job on the video pipeline; each step reports progress (``msg_id``) and checks whether the
-        job was cancelled (JobCancelled, raised from the step callback, stops it within a step)."""
-        kwargs: dict[str, Any] = {"negative_prompt": ""} if req.cfg else {}
-
-        def on_step(_p: Any, i: int, _t: Any, kw: dict[str, Any]) -> dict[str, Any]:
-            if self.cancel is not None and req.job and self.cancel.value == req.job:
-                raise JobCancelled(f"video job {req.job} cancelled at step {i + 1} of {req.steps}")
-            if msg_id is not None and self.conn is not None:
-                self.send({"op": "progress", "id": msg_id, "step": i + 1, "steps": req.steps})
-            return kw
-
-        return self.video_pipe(
-            prompt_words(req.prompt), height=req.height, width=req.width, num_frames=req.frames,
-            num_inference_steps=req.steps, guidance_scale=req.guidance_scale, max_sequence_length=self.cfg.text_tokens,
-            output_type="np", generator=torch.Generator().manual_seed(req.seed), callback_on_step_end=on_step,
-            **kwargs)
-
-    def generate(self, msg: GenerateMsg) -> ResultMsg | ErrorMsg:
-        req = GenerationRequest(**msg["request"])
-        if req.is_video and self.video_pipe is None:
-            return {"op": "error", "id": msg["id"], "kind": "internal", "message": "video is off on this worker"}
-        t = time.perf_counter()
-        failure: tuple[bool, str] | None = None
-        cancelled = False
-        try:
-            out = self._run_video(req, msg["id"]) if req.is_video else self._run(req)
-        except JobCancelled:
-            cancelled = True
-        except Exception as exc:
-            failure = (is_oom(exc), traceback.format_exc(limit=3)[-600:])
-        if cancelled:
-            return self._cancelled(msg["id"], req)
-        if failure is not None:
-            # Out of the except block: the exception and its frames (the failed request's tensors) are gone.
-            return self._failed(msg["id"], req, *failure)
-        if req.is_video:
-            return self._video_result(msg["id"], req, out, time.perf_counter() - t)
-        seconds = time.perf_counter() - t
-        pngs, nonfinite = _encode(out.images)
-        rss = self._trim_if_grown()
-        rep = self.inst.last_report
-        return {
-            "op": "result", "id": msg["id"], "images": pngs, "seconds": seconds, "nonfinite": nonfinite,
-            "shape": str(rep.shape) if rep and rep.shape else req.shape,
-            "stages": dict(rep.stages) if rep else {}, "steps": len(rep.step_seconds) if rep else req.steps,
-            "cache": {"kind": rep.cache, "hits": rep.hits, "misses": rep.misses} if rep else None,
-            "compiles": len(rep.compiles) if rep else 0, "rss_bytes": rss,
-            "ranks": {"step_seconds": rep.extra.get("rank_step_seconds"), "skew": rep.extra.get("rank_skew"),
-                      "requests_ago": rep.extra.get("rank_requests_ago")}
-            if rep and "rank_skew" in rep.extra else None,
-        }
-
-    def _video_result(self, id_: str, req: GenerationRequest, out: Any, seconds: float) -> ResultMsg:
-        """The finished job: its frames encoded as MP4 (the encoding is the worker's, not the pipeline's, time)."""
-        frames, nonfinite = to_uint8(out.frames[0])
-        del out
-        t = time.perf_counter()
-        mp4 = encode_mp4(frames, self.cfg.video.fps)
-        encode_s = time.perf_counter() - t
-        rss = self._trim_if_grown()
-        rep = self.video_inst.last_report
-        return {
-            "op": "result", "id": id_, "images": [mp4], "seconds": seconds, "nonfinite": nonfinite,
-            "shape": req.shape, "stages": {**(dict(rep.stages) if rep else {}), "encode": encode_s},
-            "steps": len(rep.step_seconds) if rep else req.steps,
-            "cache": {"kind": rep.cache, "hits": rep.hits, "misses": rep.misses} if rep else None,
-            "compiles": len(rep.compiles) if rep else 0, "rss_bytes": rss, "ranks": None,
-            "content_type": CONTENT_TYPE, "frames": int(frames.shape[0]),
-        }
-
-    def _cancelled(self, id_: str, req: GenerationRequest) -> ErrorMsg:
-        self._reset_after_failure(self.video_pipe)
-        return {"op": "error", "id": id_, "kind": "cancelled", "shape": req.shape,
-                "message": f"video job cancelled by its client ({req.shape})"}
-
-    def _reset_after_failure(self, pipe: Any) -> None:
-        # diffusers resets cache-hook state only at the end of a call that finished: a call that died
-        # mid-way would leave the next one starting from stale residuals.
-        reset = getattr(pipe.transformer, "_reset_stateful_cache", None)
-        if reset is not None:
-            reset()
-        gc.collect()
-        _malloc_trim()
-
-    def _failed(self, id_: str, req: GenerationRequest, oom: bool, detail: str) -> ErrorMsg:
-        """Clean up after a failed request and say why it failed (an OOM names the stage and the fix)."""
-        inst = self.video_inst if req.is_video else self.inst
-        rep = inst.last_report
-        stage = rep.failed_stage if rep is not None else None
-        self._reset_after_failure(self.video_pipe if req.is_video else self.pipe)
-        if oom:
-            return {"op": "error", "id": id_, "kind": "oom", "stage": stage, "shape": req.shape, "size": req.size,
-                    "message": _oom_message(stage, req, self.knobs)}
-        return {"op": "error", "id": id_, "kind": "internal", "stage": stage, "shape": req.shape, "message": detail}
-
-    def _trim_if_grown(self) -> int:
-        """Resident bytes after a request, trimmed first when the request left the heap well above the floor.
-
-        A request larger than the usual leaves freed heap that glibc keeps: give it back, so resident memory
-        tracks what the worker holds.  Steady traffic reuses its heap and stays under the floor plus the
-        slack: no trim (it costs tens of ms).
-        """
-        rss = _vm().get("VmRSS", 0)
-        if rss > self.rss_floor + TRIM_SLACK_BYTES:
-            _malloc_trim()
-            rss = _vm().get("VmRSS", 0)
-            self.rss_floor = rss
-        return rss
-
     def info(self, id_: str) -> InfoReply:
-        vm = _vm()
+        vm = vm_status()
         return {"op": "info", "id": id_, "pid": os.getpid(), "rss_bytes": vm.get("VmRSS", 0),
                 "vm_bytes": vm.get("VmSize", 0), "budget_bytes": self.budget.limit, "knobs": dict(self.knobs),
                 "fingerprint": self.fingerprint()}
@@ -543,7 +298,7 @@ class Worker:
         box: list[Any] = [msg]
         send = self._stamp if self.rank == 0 else None
         (send(_broadcast_box) if send is not None else _broadcast_box)(box)
-        return box[0] or {"op": "shutdown"}
+        return cast(ToWorker, box[0] or {"op": "shutdown"})
 
     def serve_follower(self) -> None:
         """Ranks > 0: run what rank 0 runs, in the same order; only rank 0 answers."""
@@ -590,9 +345,9 @@ class Worker:
             return {"op": "error", "id": msg["id"], "kind": "invalid", "message": "streaming is off on this worker"}
         try:
             refused: ErrorMsg | None = self.sessions.open(msg)
-        except Exception:
+        except Exception as exc:
             log.exception("opening a session failed")
-            return {"op": "error", "id": msg["id"], "kind": "internal", "message": traceback.format_exc(limit=2)}
+            return {"op": "error", "id": msg["id"], "kind": "internal", "message": internal_message(exc)}
         return refused
 
     def _reply(self, msg: ToWorker) -> Reply:
@@ -609,10 +364,12 @@ class Worker:
                     return {"op": "error", "id": msg["id"], "kind": "invalid", "message": "streaming is off"}
                 return (self.sessions.set_prompt(msg) if msg["op"] == "session_prompt"
                         else self.sessions.close(msg))
-            return {"op": "error", "id": msg.get("id"), "kind": "internal", "message": f"unknown op {msg['op']!r}"}
-        except Exception:
-            return {"op": "error", "id": msg.get("id"), "kind": "internal",
-                    "message": traceback.format_exc(limit=3)[-600:]}
+            return {"op": "error", "id": cast("str | None", msg.get("id")), "kind": "internal",
+                    "message": f"unknown op {msg['op']!r}"}
+        except Exception as exc:
+            log.exception("worker op %s failed", msg.get("op"))
+            return {"op": "error", "id": cast("str | None", msg.get("id")), "kind": "internal",
+                    "message": internal_message(exc)}
 
 
 def _refusal(msg: ToWorker, world: int, video: bool, stream: bool) -> ErrorMsg | None:
@@ -626,53 +383,14 @@ def _refusal(msg: ToWorker, world: int, video: bool, stream: bool) -> ErrorMsg |
     return None
 
 
-def _encode(images: Any) -> tuple[list[bytes], int]:
-    """PNG bytes of each image, and how many were non-finite or all black (a NaN image decodes to black)."""
-    nonfinite = 0
-    pngs = []
-    for img in images:
-        finite = bool(np.isfinite(img).all())
-        arr = np.nan_to_num(img, nan=0.0, posinf=1.0, neginf=0.0)
-        u8 = (np.clip(arr, 0.0, 1.0) * 255.0).round().astype(np.uint8)
-        if not finite or int(u8.max()) == 0:
-            nonfinite += 1
-        buf = io.BytesIO()
-        Image.fromarray(u8).save(buf, format="PNG", compress_level=1)
-        pngs.append(buf.getvalue())
-    return pngs, nonfinite
-
-
-def _oom_message(stage: str | None, req: GenerationRequest, knobs: dict[str, Any]) -> str:
-    where = stage or "an unknown stage"
-    if req.is_video and stage == "vae_decode":
-        return _video_oom_message(req, knobs)
-    if stage == "vae_decode" and not knobs.get("vae_tiling", True):
-        fix = "enable VAE tiling (it is off) or request a smaller size"
-    elif stage == "vae_decode":
-        fix = "request a smaller size, or raise the worker's memory budget"
-    elif stage == "denoise":
-        fix = "request a smaller size or fewer images (n), or raise the memory budget / use more ranks"
-    else:
-        fix = "request a smaller size or fewer images (n), or raise the worker's memory budget"
-    return (f"out of memory in {where} generating {req.n} x {req.size} ({req.shape}); fix: {fix}. "
-            "The request failed; the instance keeps serving.")
-
-
-def _video_oom_message(req: GenerationRequest, knobs: dict[str, Any]) -> str:
-    """The video decode ran out: the fix is tiling and a frame-chunked decode, whichever is off."""
-    off = [k for k, on in (("VAE tiling", knobs.get("vae_tiling", True)),
-                          ("frame-chunked decode", knobs.get("video_decode_chunk_frames", 1) != 0)) if not on]
-    fix = (f"enable {' and '.join(off)} (off: the whole clip decodes at full resolution at once)" if off
-           else "request fewer frames or a smaller size, or raise the worker's memory budget")
-    return (f"out of memory in vae_decode decoding {req.frames} frames at {req.size} ({req.shape}); fix: {fix}. "
-            "The job failed; the instance keeps serving.")
-
-
 def configure_process(rank: int) -> None:
     """Logging and environment of a worker process (rank 0 or a follower)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not keep_address_space_returnable():
+        logging.getLogger(__name__).warning("glibc's mallopt is not available: freed memory may keep its address "
+                                            "space, and a large request may leave later ones out of memory")
 
 
 def start(w: Worker) -> ReadyMsg | None:

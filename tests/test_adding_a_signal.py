@@ -95,7 +95,7 @@ def missing_pieces(th: Thresholds, root: Path) -> list[str]:
             out.append(f"{who}: no runbook runbooks/{spec.runbook_file}")
         if spec.panel not in titles:
             out.append(f"{who}: no panel titled {spec.panel!r} on {DASHBOARD} (add it to its row in "
-                       "dashboards/overview.py)")
+                       "dashboards/rows_<subsystem>.py)")
         if spec.name not in controls:
             out.append(f"{who}: no false-alarm control under triage/scenarios/ (run `stepwatch triage "
                        "false-alarms --missing`)")
@@ -143,7 +143,7 @@ def test_a_new_alert_without_its_pieces_names_each(raw: dict[str, Any]) -> None:
         "StepwatchFakeSignal (alerts.fake_signal): no AlertDef in alerts/defs/service.py",
         "StepwatchFakeSignal (alerts.fake_signal): no runbook runbooks/fake-signal.md",
         "StepwatchFakeSignal (alerts.fake_signal): no panel titled 'Fake signals, by pool' on "
-        "dashboards/stepwatch-overview.json (add it to its row in dashboards/overview.py)",
+        "dashboards/stepwatch-overview.json (add it to its row in dashboards/rows_<subsystem>.py)",
         "StepwatchFakeSignal (alerts.fake_signal): no false-alarm control under triage/scenarios/ (run "
         "`stepwatch triage false-alarms --missing`)",
     ]
@@ -300,7 +300,7 @@ fake_cause: a throw-away cause
 
 
 def _edit_panel(root: Path) -> None:
-    _insert(root / "dashboards/overview.py", '    b.row("Compile")\n', f'''    b.timeseries(
+    _insert(root / "dashboards/rows_pipeline.py", '    b.row("Compile")\n', f'''    b.timeseries(
         "{FAKE_PANEL}", """Fake signals per interval, by shape. Healthy: none.""", "short",
         [T(events(sel("{FAKE_METRIC}", INST, F_SHAPE), RATE, by="job, instance, shape"), "{{{{shape}}}}")],
         alerts=["fake_signal"], bars=True, min_=0, decimals=0, no_value="0")
@@ -369,7 +369,7 @@ def test_the_docs_edits_add_a_complete_signal(walked: tuple[Path, str]) -> None:
     listed = re.findall(r"^\| (\d) \| `([^`]+)`", doc, re.M)
     assert [n for n, _ in listed] == ["1", "3", "4", "5", "6"] and "| 2 | the code that sets it |" in doc
     assert [f for _, f in listed] == ["stepwatch/catalog.py", "stepwatch/thresholds.yaml", "alerts/defs/<subsystem>.py",
-                                      "runbooks/<kebab-name>.md", "dashboards/overview.py"]
+                                      "runbooks/<kebab-name>.md", "dashboards/rows_<subsystem>.py"]
 
 
 # What fails, and says so, when one edit is left out.

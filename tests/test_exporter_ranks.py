@@ -7,7 +7,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from stepwatch.exporter.ranks import Aligner, Chunk, RankReporter, Shipper, StoreChannel, Timeline, stamping
+from stepwatch.exporter.rank_align import Aligner
+from stepwatch.exporter.rank_timeline import Chunk, Shipper, StoreChannel, Timeline, stamping
+from stepwatch.exporter.ranks import RankReporter
 from stepwatch.metrics import ExporterMetrics
 
 
@@ -480,7 +482,7 @@ def test_a_chunk_goes_as_json_and_anything_else_on_the_queue_is_skipped() -> Non
 def test_a_follower_stops_pushing_when_rank_0_stops_popping() -> None:
     import torch.distributed as dist
 
-    from stepwatch.exporter.ranks import MAX_QUEUED_CHUNKS
+    from stepwatch.exporter.rank_timeline import MAX_QUEUED_CHUNKS
     from stepwatch.procs import free_port
 
     server = dist.TCPStore("127.0.0.1", free_port(), 2, is_master=True, wait_for_workers=False)

@@ -262,7 +262,7 @@ class _RecordingRanks:
 
 def test_a_request_that_cannot_be_resolved_still_reaches_the_rank_reporter(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 lets a request's stamps go once every rank reported it: one that cannot be resolved reports 0."""
-    instrument_module = importlib.import_module("stepwatch.exporter.instrument")  # the package exports the function
+    lifecycle = importlib.import_module("stepwatch.exporter.lifecycle")  # where a request's marks are resolved
 
     def broken(*_args: Any) -> Any:
         raise RuntimeError("resolve broke")
@@ -271,7 +271,7 @@ def test_a_request_that_cannot_be_resolved_still_reaches_the_rank_reporter(monke
     pipe, registry = StubPipeline(), CollectorRegistry()
     instrument(pipe, registry=registry, rank_reporter=ranks)
     pipe("p", num_inference_steps=3)
-    monkeypatch.setattr(instrument_module, "resolve", broken)
+    monkeypatch.setattr(lifecycle, "resolve", broken)
     pipe("p", num_inference_steps=3)
     assert ranks.steps == [(0, 3), (1, 0)]
     assert ranks.events == ["bind", "begin", "end", "begin", "end"]

@@ -27,18 +27,11 @@ from stepwatch.promapi import PromError, Sample
 from stepwatch.runbooks.parse import CAUSES, load_all
 from stepwatch.thresholds import load
 from stepwatch.triage import render
+from stepwatch.triage.alert import Alert, alerts_from_webhook, webhook_payload
 from stepwatch.triage.cli_run import parse_time
-from stepwatch.triage.engine import (
-    SYMPTOM_QUERY_PREFIX,
-    Alert,
-    Diagnosis,
-    Engine,
-    alerts_from_webhook,
-    group,
-    mitigation_for,
-    triage,
-    webhook_payload,
-)
+from stepwatch.triage.diagnosis import Diagnosis, mitigation_for
+from stepwatch.triage.engine import SYMPTOM_QUERY_PREFIX, Engine, triage
+from stepwatch.triage.incidents import group
 from stepwatch.triage.receiver import TriageServer
 
 TH = load()

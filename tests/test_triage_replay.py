@@ -23,7 +23,8 @@ from stepwatch.procs import free_port
 from stepwatch.promapi import Alertmanager
 from stepwatch.thresholds import load
 from stepwatch.triage import render, scoring
-from stepwatch.triage.engine import Alert, triage, webhook_payload
+from stepwatch.triage.alert import Alert, webhook_payload
+from stepwatch.triage.engine import triage
 from stepwatch.triage.evaluate import evaluate
 from stepwatch.triage.false_alarms import committed_scenarios
 from stepwatch.triage.in_hand import write_in_hand

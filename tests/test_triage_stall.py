@@ -19,7 +19,8 @@ from stepwatch.alerts import rulegen
 from stepwatch.promapi import Sample
 from stepwatch.runbooks import parse
 from stepwatch.thresholds import load
-from stepwatch.triage.engine import SYMPTOM_QUERY_PREFIX, Alert, Engine
+from stepwatch.triage.alert import Alert
+from stepwatch.triage.engine import SYMPTOM_QUERY_PREFIX, Engine
 from tests.conftest import need_tool
 
 TH = load()

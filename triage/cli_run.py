@@ -17,7 +17,8 @@ from datetime import datetime, timezone
 
 from stepwatch.promapi import Alertmanager, PromError, Prometheus
 from stepwatch.thresholds import ThresholdsError, parse_duration
-from stepwatch.triage.engine import Alert, Engine, firing_at
+from stepwatch.triage.alert import Alert
+from stepwatch.triage.engine import Engine, firing_at
 from stepwatch.triage.render import render, use_color
 
 EXIT_CLEAR, EXIT_INCIDENTS, EXIT_USAGE, EXIT_COULD_NOT_CHECK = 0, 1, 2, 3

@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from stepwatch.triage.engine import Incident, Report, triage
+from stepwatch.triage.engine import triage
+from stepwatch.triage.incidents import Incident, Report
 from stepwatch.triage.record import load_scenario
 from stepwatch.triage.render import terminal
 from stepwatch.triage.replay import Replay, ReplayError

@@ -31,7 +31,7 @@ from stepwatch.alerts import defs, promql, rulegen
 from stepwatch.promapi import Prometheus
 from stepwatch.thresholds import Thresholds, parse_duration
 from stepwatch.thresholds import load as load_thresholds
-from stepwatch.triage.engine import Alert, _iso
+from stepwatch.triage.alert import Alert, iso_utc
 from stepwatch.triage.record import SCENARIO_FILE, load_scenario
 from stepwatch.triage.replay import Replay
 
@@ -62,7 +62,7 @@ def false_alarm(th: Thresholds, key: str, labels: dict[str, str], at: float, pro
     spec = th.alert(key)
     since = at - spec.for_seconds(profile) - parse_duration(th.profiles[profile].evaluation_interval)
     return Alert(spec.name, {"alertname": spec.name, **labels, **rulegen.alert_labels(spec, profile)},
-                 rulegen.alert_annotations(th, spec, profile), _iso(since))
+                 rulegen.alert_annotations(th, spec, profile), iso_utc(since))
 
 
 def committed_scenarios(scenarios: Path) -> list[dict[str, Any]]:

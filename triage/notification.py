@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from stepwatch.promapi import PromError, Prometheus
-from stepwatch.triage.engine import Alert, Engine, Report, alerts_from_webhook, firing_at
+from stepwatch.triage.alert import Alert, alerts_from_webhook
+from stepwatch.triage.engine import Engine, firing_at
+from stepwatch.triage.incidents import Report
 from stepwatch.triage.render import markdown, terminal
 
 

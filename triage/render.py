@@ -12,7 +12,8 @@ import sys
 from typing import IO
 
 from stepwatch.runbooks.parse import CAUSES
-from stepwatch.triage.engine import CheckResult, Diagnosis, Incident, Report
+from stepwatch.triage.diagnosis import CheckResult, Diagnosis
+from stepwatch.triage.incidents import Incident, Report
 
 MARK = {"unhealthy": "✗", "healthy": "✓", "unknown": "?", "error": "!"}
 _COLORS = {"red": "31", "yellow": "33", "green": "32", "bold": "1", "dim": "2", "cyan": "36"}
