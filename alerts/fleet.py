@@ -11,7 +11,7 @@ The wiring is the one fleets run:
   data nor alerts.  Chosen over VictoriaMetrics because the rules, the triage queries and the drills already
   speak Prometheus' own API and PromQL (MetricsQL differs at the edges, e.g. ``rate`` extrapolation), and the
   same binary is already a dependency; VictoriaMetrics would be the choice past one node's memory
-  (README: "Scale on paper");
+  (docs/fleet.md: "Scale on paper");
 - both evaluators send to both **Alertmanagers**, which gossip (``--cluster.*``) and so notify once: the
   ``evaluator`` label is dropped from alerts before they are sent, so the two evaluators' copies of one alert
   are the same alert.

@@ -4,8 +4,8 @@ Brings up the local stack on loopback ports - the practice service (a real
 offline FLUX pipeline, instrumented, compiled, under a memory budget), the
 sidecar (quality prober), Prometheus with the drill-profile rules and
 Alertmanager routing to a webhook receiver - sends traffic, runs every fault
-drill (the seeds' three, queue overload, and a straggler rank on a two-rank
-stack), and ends with the path of the drill report.
+drill of ``stepwatch drill all`` (one rank, one rank with the stream probe, two
+ranks, the fleet), and ends with the path of the drill report.
 
 ``--exporter-only`` runs the small in-process demo instead: the exporter on the
 practice pipeline at two shapes, /metrics served on loopback, a summary.
