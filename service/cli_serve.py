@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client import disable_created_metrics
 
+from stepwatch.procs import keep_address_space_returnable
 from stepwatch.service import app
 from stepwatch.service.config import ConfigError, ServiceConfig, load
 from stepwatch.service.engine import Service
@@ -65,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
 
 def run(args: argparse.Namespace) -> int:
     disable_created_metrics()
+    keep_address_space_returnable()  # the chunks queued for slow stream clients come and go in MBs
     try:
         cfg = config_from_args(args)
     except ConfigError as e:

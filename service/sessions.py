@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepwatch.procs import malloc_trim
 from stepwatch.service import api
 from stepwatch.service.config import ServiceConfig, parse_size
 from stepwatch.service.messages import ChunkMsg, SessionStartedMsg
@@ -222,7 +223,9 @@ class SessionManager:
 
     def forget(self, sid: str) -> None:
         with self._lock:
-            self.sessions.pop(sid, None)
+            sess = self.sessions.pop(sid, None)
+        if sess is not None and sess.dropped is not None:
+            malloc_trim()  # the dropped chunks' heap back to the OS: a burst of unread streams leaves no trace
 
     def _reap(self) -> None:
         """Drop the waiting events of sessions whose client stopped reading (chunks waiting, none taken for the idle

@@ -33,6 +33,7 @@ from stepwatch.exporter import instrument
 from stepwatch.exporter.memory import is_oom
 from stepwatch.exporter.ranks import RankReporter
 from stepwatch.exposition import serve_metrics
+from stepwatch.procs import keep_address_space_returnable, malloc_trim
 from stepwatch.service import knobs as knob_rules
 from stepwatch.service.api import GenerationRequest
 from stepwatch.service.cache import apply_cache, current
@@ -51,7 +52,7 @@ from stepwatch.service.messages import (
 )
 from stepwatch.service.pipeline import build_pipeline, weights_digest
 from stepwatch.service.worker_knobs import Knobs
-from stepwatch.service.worker_memory import Budget, keep_address_space_returnable, malloc_trim, vm_status
+from stepwatch.service.worker_memory import Budget, vm_status
 from stepwatch.service.worker_requests import Requests, internal_message
 
 log = logging.getLogger("stepwatch.service.worker")

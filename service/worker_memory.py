@@ -1,4 +1,4 @@
-"""The worker's memory: the address-space budget it serves under, and giving freed heap back to the OS.
+"""The worker's memory budget: the address-space limit it serves under (RLIMIT_AS).
 
 The budget is an address-space limit (RLIMIT_AS) set after warm-up at the
 warmed footprint plus a headroom: the CPU stand-in for a GPU's memory.
@@ -8,7 +8,6 @@ torch.compile runs and re-based after.
 
 from __future__ import annotations
 
-import ctypes
 import resource
 from typing import Any
 
@@ -17,36 +16,6 @@ from torch._dynamo.callback import callback_handler
 from stepwatch.exporter.memory import _status
 
 TRIM_SLACK_BYTES = 64 << 20  # above the last trimmed RSS by this much after a request: return freed heap
-M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
-MMAP_THRESHOLD_BYTES = 1 << 20  # blocks from 1 MiB up get mappings of their own
-ARENA_MAX = 2
-
-
-def malloc_trim() -> None:
-    """Give freed heap back to the OS, so an OOM's garbage does not stay resident."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-def keep_address_space_returnable() -> bool:
-    """Make freed memory give its address space back, as the RLIMIT_AS budget needs.
-
-    glibc raises its mmap threshold to the size of any mapped block freed (up to 32 MiB); from then on blocks
-    of that size come from the heap and the per-thread arenas, whose address space stays reserved once freed.
-    One 121-frame video job left the worker's address space 450 MB above its start and every later 41-frame job
-    out of memory under the budget, although its resident memory came back.  A fixed threshold (which also
-    turns the raising off) keeps every block of a MiB and more in a mapping of its own, returned at once when
-    freed, and two arenas bound what torch's threads reserve (64 MiB of address space each).  True when glibc
-    took both settings; elsewhere nothing changes.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(libc.mallopt(M_ARENA_MAX,
-                                                                                                  ARENA_MAX))
-    except (OSError, AttributeError):
-        return False
 
 
 def vm_status() -> dict[str, int]:

@@ -20,12 +20,13 @@ import torch
 from PIL import Image
 
 from stepwatch.exporter.memory import is_oom
+from stepwatch.procs import malloc_trim
 from stepwatch.service.api import GenerationRequest
 from stepwatch.service.config import ServiceConfig
 from stepwatch.service.messages import ErrorMsg, GenerateMsg, ResultMsg
 from stepwatch.service.pipeline import prompt_words
 from stepwatch.service.video import CONTENT_TYPE, JobCancelled, encode_mp4, to_uint8
-from stepwatch.service.worker_memory import TRIM_SLACK_BYTES, malloc_trim, vm_status
+from stepwatch.service.worker_memory import TRIM_SLACK_BYTES, vm_status
 
 log = logging.getLogger("stepwatch.service.worker")
 

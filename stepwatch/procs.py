@@ -28,6 +28,39 @@ from types import FrameType
 PR_SET_PDEATHSIG = 1
 
 
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD_BYTES = 1 << 20  # blocks from 1 MiB up get mappings of their own
+ARENA_MAX = 2
+
+
+def keep_address_space_returnable() -> bool:
+    """Make freed memory give its address space back, as the RLIMIT_AS budget needs.
+
+    glibc raises its mmap threshold to the size of any mapped block freed (up to 32 MiB); from then on blocks
+    of that size come from the heap and the per-thread arenas, whose address space stays reserved once freed.
+    One 121-frame video job left the worker's address space 450 MB above its start and every later 41-frame job
+    out of memory under its RLIMIT_AS budget, although its resident memory came back; the HTTP process kept the
+    heap of the chunks it had queued for clients that stopped reading.  A fixed threshold (which also
+    turns the raising off) keeps every block of a MiB and more in a mapping of its own, returned at once when
+    freed, and two arenas bound what torch's threads reserve (64 MiB of address space each).  True when glibc
+    took both settings; elsewhere nothing changes.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(libc.mallopt(M_ARENA_MAX,
+                                                                                                  ARENA_MAX))
+    except (OSError, AttributeError):
+        return False
+
+
+def malloc_trim() -> None:
+    """Give freed heap back to the OS, so garbage (an OOM's, a dropped stream's) does not stay resident."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 def die_with_parent_fn() -> Callable[[], None] | None:
     """A ``preexec_fn`` that has the child killed with its parent; None where prctl is missing (not Linux).
 

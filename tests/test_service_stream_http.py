@@ -5,6 +5,7 @@ clients saw (chunks observed = chunks delivered, KV bytes back to idle, first-ch
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -194,3 +195,53 @@ def _settled(svc: ServiceProc, before: dict[str, float], timeout: float = 10) ->
         if now["done"] + now["closed"] - before["done"] - before["closed"] >= 2 or time.monotonic() > deadline:
             return now
         time.sleep(0.1)
+
+
+def _open_unread(port: int, body: dict[str, Any]) -> socket.socket:
+    """A session whose client reads its headers and first event, then nothing: a small receive window, so what
+    waits for it waits in the server, not in the kernel."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    s.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    s.sendall(f"POST /v1/stream/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    return s
+
+
+def _http_rss_mb(svc: ServiceProc) -> float:
+    """Resident memory of the service's HTTP process (its worker is another process)."""
+    status = Path(f"/proc/{svc.proc.pid}/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1]) / 1024
+
+
+@pytest.mark.heavy
+def test_unread_sessions_are_closed_and_their_memory_given_back(tmp_path: Path) -> None:
+    """Twenty clients that stop reading (two at a time, the slots): each session is closed once a MiB waits for
+    its client (outcome closed, reason backpressure), and the HTTP process's memory after they are gone is within
+    10% of what it was after one session read to its end."""
+    stream = {**OVERRIDES["stream"], "send_buffer_mb": 1, "idle_timeout_seconds": 10}
+    svc = ServiceProc(tmp_path, {**OVERRIDES, "stream": stream})
+    big = {"prompt": "a harbour at night", "size": "128x128", "chunks": 32}
+    try:
+        with httpx.Client() as client:
+            seen = Seen()
+            run_session(client, svc.url, {**big, "chunks": 8}, seen)
+            assert seen.end["outcome"] == "done", seen
+        time.sleep(1)
+        before, closed0 = _http_rss_mb(svc), stream_counts(svc)["closed"]
+        for i in range(10):
+            socks = [_open_unread(svc.port, big) for _ in range(2)]
+            deadline = time.monotonic() + 120
+            while stream_counts(svc)["closed"] < closed0 + 2 * (i + 1) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            for s in socks:
+                s.close()
+        time.sleep(2)
+        after, counts = _http_rss_mb(svc), stream_counts(svc)
+        assert counts["closed"] - closed0 == 20 and counts["active"] == 0, counts
+        assert after <= 1.10 * before, (before, after)
+        assert "backpressure" in svc.log()
+    finally:
+        svc.close()
