@@ -44,6 +44,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
                    "per-chunk cost of the hooks on chunked autoregressive video, bare vs instrumented"),
         "fleet": ("stepwatch.bench.fleet",
                   "a load test through the fleet's load balancer, side by side with direct requests"),
+        "soak": ("stepwatch.bench.soak",
+                 "mixed traffic on one practice service for N minutes: failures, memory growth, restarts"),
     },
     "fleet": {
         "up": ("stepwatch.fault_injection.cli_fleet",
