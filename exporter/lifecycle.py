@@ -16,10 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from stepwatch.exporter import caches, chunks, spans
-from stepwatch.exporter.clock import Clock
 from stepwatch.exporter.compile_watch import WATCH
-from stepwatch.exporter.memory import MemoryProbe, is_oom, oom_requested_bytes
-from stepwatch.exporter.options import Guard, InstrumentOptions
+from stepwatch.exporter.memory import is_oom, oom_requested_bytes
+from stepwatch.exporter.options import InstrumentationState
 from stepwatch.exporter.publish import Publisher
 from stepwatch.exporter.report import RequestReport
 from stepwatch.exporter.request import (
@@ -31,8 +30,6 @@ from stepwatch.exporter.request import (
     marks_for,
     resolve,
 )
-from stepwatch.exporter.shapes import ShapeLabeler
-from stepwatch.metrics import ExporterMetrics
 
 
 class _Unresolved:
@@ -49,21 +46,9 @@ class _Unresolved:
 _UNRESOLVED = _Unresolved()
 
 
-class RequestLifecycle:
+class RequestLifecycle(InstrumentationState):
     """Begins, marks, ends and emits each request of an Instrumentation."""
 
-    pipe: Any
-    options: InstrumentOptions
-    metrics: ExporterMetrics
-    _guard: Guard
-    clock: Clock
-    memory: MemoryProbe
-    labeler: ShapeLabeler
-    phase: str
-    _local: threading.local
-    _chunks: chunks.ChunkModel | None
-    _stream: chunks.StreamPublisher | None
-    _guarded: Callable[..., None]
     publisher: Publisher
     last_report: RequestReport | None
     few_step_max_steps: int

@@ -7,6 +7,7 @@ Hook bodies never raise into the pipeline: the ``Guard`` counts each error in
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from stepwatch.exporter import chunks
 from stepwatch.exporter.clock import Clock
 from stepwatch.exporter.memory import MemoryProbe
 from stepwatch.exporter.report import RequestReport
+from stepwatch.exporter.shapes import ShapeLabeler
 from stepwatch.metrics import ExporterMetrics
 
 log = logging.getLogger("stepwatch.exporter")
@@ -61,3 +63,21 @@ class Guard:
                             "stepwatch_exporter_errors_total): %r", component, exc)
         except Exception:
             pass
+
+
+class InstrumentationState:
+    """What an Instrumentation holds, declared once for the parts it is made of (its request lifecycle and its
+    streaming sessions), which read it."""
+
+    pipe: Any
+    options: InstrumentOptions
+    metrics: ExporterMetrics
+    _guard: Guard
+    clock: Clock
+    memory: MemoryProbe
+    labeler: ShapeLabeler
+    phase: str
+    _local: threading.local
+    _chunks: chunks.ChunkModel | None
+    _stream: chunks.StreamPublisher | None
+    _guarded: Callable[..., None]

@@ -42,8 +42,8 @@ left the request's first collective is counting a different request, and that re
 On CPU (gloo) a rank blocks in the wait, so the stamps are exact.  On CUDA (NCCL) the wait is
 enqueued on the stream, so host stamps read late arrivals as early.  Not implemented yet: taking
 the stamps from CUDA events recorded around the collective and resolved later (the design is in
-docs/benchmarks.md, "GPU check").  Ranks on different hosts compare wall clocks, which NTP/PTP keeps within a millisecond
-or so on a GPU cluster; the stamps of one host are exact.
+docs/benchmarks.md, "GPU check").  Ranks on different hosts compare wall clocks, which NTP/PTP keeps
+within a millisecond or so on a GPU cluster; the stamps of one host are exact.
 
 Here: the ``RankReporter`` that installs the stamps and runs the shipping thread.  Each rank's side
 (stamps, chunks, the store channel) is in ``rank_timeline.py``; rank 0's alignment in ``rank_align.py``.

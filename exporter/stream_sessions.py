@@ -7,22 +7,19 @@ state it reads; the chunk model and its series are ``exporter/chunks.py``'s.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from stepwatch.exporter import chunks
-from stepwatch.exporter.clock import Clock
-from stepwatch.exporter.memory import MemoryProbe, is_oom
-from stepwatch.exporter.options import Guard, InstrumentOptions
+from stepwatch.exporter.memory import is_oom
+from stepwatch.exporter.options import InstrumentationState
 from stepwatch.exporter.report import RequestReport
 from stepwatch.exporter.request import (
     RequestMarks,
 )
-from stepwatch.exporter.shapes import ShapeKey, ShapeLabeler
-from stepwatch.metrics import ExporterMetrics
+from stepwatch.exporter.shapes import ShapeKey
 
 
 @dataclass
@@ -32,21 +29,9 @@ class SessionMark:
     outcome: str = "done"
 
 
-class StreamSessions:
+class StreamSessions(InstrumentationState):
     """The streaming-session side of an Instrumentation: what a chunked call adds to the request's marks."""
 
-    pipe: Any
-    options: InstrumentOptions
-    metrics: ExporterMetrics
-    _guard: Guard
-    clock: Clock
-    memory: MemoryProbe
-    labeler: ShapeLabeler
-    phase: str
-    _local: threading.local
-    _chunks: chunks.ChunkModel | None
-    _stream: chunks.StreamPublisher | None
-    _guarded: Callable[..., None]
 
     def _kv_read(self, req: RequestMarks, kv_cache: Any, flag: Any) -> None:
         """After a chunk was encoded into the cache: its bytes (tensor sizes), and the worker's KV gauges."""
