@@ -14,6 +14,7 @@ worker sends what the server reads.  Every request but ``shutdown`` carries an
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, TypedDict
 
 
@@ -231,3 +232,14 @@ class SessionAckMsg(TypedDict):
 
 Reply = ResultMsg | ErrorMsg | KnobsReply | InfoReply | SessionEndMsg | SessionAckMsg
 FromWorker = ReadyMsg | FatalMsg | ProgressMsg | SessionStartedMsg | ChunkMsg | Reply
+
+
+_SERVER_PATH = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+[\w.+-]*")
+
+
+def internal_message(exc: BaseException) -> str:
+    """What a client is told of an unexpected error: its type and the first line of its message, with any server
+    path masked; never a traceback (the worker's log has it)."""
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    text = _SERVER_PATH.sub("<path>", first)[:300]
+    return f"internal error ({type(exc).__name__}{': ' + text if text else ''}); the service's log has the details"

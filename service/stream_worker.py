@@ -40,6 +40,7 @@ from stepwatch.service.messages import (
     SessionEndMsg,
     SessionMsg,
     SessionPromptMsg,
+    internal_message,
 )
 from stepwatch.service.pipeline import build_pipeline, prompt_words
 
@@ -275,7 +276,7 @@ class StreamSessions:
         except Exception as exc:
             failure = exc
             outcome, reason = "failed", "oom" if is_oom(exc) else "error"
-            message = f"the session failed ({type(exc).__name__}); the service's log has the details"
+            message = internal_message(exc)
         finally:
             with self._lock:
                 s.slot.session = None

@@ -49,11 +49,12 @@ from stepwatch.service.messages import (
     SessionMsg,
     ToWorker,
     WarmupRun,
+    internal_message,
 )
 from stepwatch.service.pipeline import build_pipeline, weights_digest
 from stepwatch.service.worker_knobs import Knobs
 from stepwatch.service.worker_memory import Budget, vm_status
-from stepwatch.service.worker_requests import Requests, internal_message
+from stepwatch.service.worker_requests import Requests
 
 log = logging.getLogger("stepwatch.service.worker")
 

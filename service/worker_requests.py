@@ -23,18 +23,12 @@ from stepwatch.exporter.memory import is_oom
 from stepwatch.procs import malloc_trim
 from stepwatch.service.api import GenerationRequest
 from stepwatch.service.config import ServiceConfig
-from stepwatch.service.messages import ErrorMsg, GenerateMsg, ResultMsg
+from stepwatch.service.messages import ErrorMsg, GenerateMsg, ResultMsg, internal_message
 from stepwatch.service.pipeline import prompt_words
 from stepwatch.service.video import CONTENT_TYPE, JobCancelled, encode_mp4, to_uint8
 from stepwatch.service.worker_memory import TRIM_SLACK_BYTES, vm_status
 
 log = logging.getLogger("stepwatch.service.worker")
-
-
-def internal_message(exc: BaseException) -> str:
-    """What a client is told of an unexpected error: its type, never a traceback or a server path (the worker's
-    log has those)."""
-    return f"internal error ({type(exc).__name__}); the service's log has the details"
 
 
 class Requests:

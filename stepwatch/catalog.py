@@ -213,8 +213,8 @@ METRICS: tuple[MetricDef, ...] = (
        "Streaming sessions running on this worker (a host marks them with Instrumentation.stream_session).",
        (), "stream"),
     _m("stepwatch_stream_sessions_total", "counter",
-       "Streaming sessions that ended: done (every chunk out), closed (by the client or its idle timeout), "
-       "failed (an error or out of memory).", ("outcome",), "stream"),
+       "Streaming sessions that ended: done (every chunk out), closed (by the client, its idle timeout or its send "
+       "buffer), failed (an error or out of memory).", ("outcome",), "stream"),
     _m("stepwatch_stream_session_duration_seconds", "histogram",
        "A session's open to its end, whatever the outcome.", (), "stream", SESSION_BUCKETS),
     # --- practice service: asynchronous video jobs (POST /v1/videos) ----------------------

@@ -257,3 +257,16 @@ def test_a_knob_call_goes_before_the_next_generation_and_after_the_one_in_flight
     for t in (first, knob, second):
         t.join(5)
     assert order == ["g1 starts", "g1 ends", "knobs start", "knobs end", "g2 starts", "g2 ends"]
+
+
+def test_a_client_is_told_an_errors_first_line_with_no_path_or_traceback() -> None:
+    from stepwatch.service.messages import internal_message
+
+    try:
+        raise RuntimeError('No kernel for scaled_dot_product_attention\n  File "/srv/app/x.py", line 3, in f')
+    except RuntimeError as e:
+        said = internal_message(e)
+    assert "scaled_dot_product_attention" in said and "RuntimeError" in said
+    assert "/srv" not in said and "File" not in said
+    assert internal_message(OSError("cannot open /opt/models/flux/vae.bin: no such file")) == (
+        "internal error (OSError: cannot open <path>: no such file); the service's log has the details")
