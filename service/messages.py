@@ -238,8 +238,18 @@ _SERVER_PATH = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+[\w.+-]*")
 
 
 def internal_message(exc: BaseException) -> str:
-    """What a client is told of an unexpected error: its type and the first line of its message, with any server
-    path masked; never a traceback (the worker's log has it)."""
+    """What a client is told of an unexpected error: the type and first line of the error and of its root cause
+    (a compiler's error wraps the kernel's), any server path masked; never a traceback (the worker's log has it)."""
+    said = [_first_line(exc)]
+    root, depth = exc, 0
+    while (root.__cause__ or root.__context__) is not None and depth < 8:
+        root, depth = root.__cause__ or root.__context__, depth + 1  # type: ignore[assignment]
+    if root is not exc:
+        said.append(_first_line(root))
+    return f"internal error ({' <- '.join(said)}); the service's log has the details"
+
+
+def _first_line(exc: BaseException) -> str:
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-    text = _SERVER_PATH.sub("<path>", first)[:300]
-    return f"internal error ({type(exc).__name__}{': ' + text if text else ''}); the service's log has the details"
+    text = _SERVER_PATH.sub("<path>", first)[:240]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -270,3 +270,12 @@ def test_a_client_is_told_an_errors_first_line_with_no_path_or_traceback() -> No
     assert "/srv" not in said and "File" not in said
     assert internal_message(OSError("cannot open /opt/models/flux/vae.bin: no such file")) == (
         "internal error (OSError: cannot open <path>: no such file); the service's log has the details")
+    try:
+        try:
+            raise RuntimeError("No viable backend for scaled_dot_product_attention was found")
+        except RuntimeError as inner:
+            raise ValueError("RuntimeError when making fake tensor call") from inner
+    except ValueError as e:
+        said = internal_message(e)
+    assert said == ("internal error (ValueError: RuntimeError when making fake tensor call <- RuntimeError: No viable "
+                    "backend for scaled_dot_product_attention was found); the service's log has the details")
