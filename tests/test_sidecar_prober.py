@@ -125,6 +125,27 @@ def test_fingerprint_change_is_stale_with_no_psnr(standin: StandIn, registry: Co
     assert value(scrape(registry), "stepwatch_quality_baseline_stale", probe_set="default") == 0
 
 
+def test_a_warming_service_is_neither_scored_nor_stale(standin: StandIn, registry: CollectorRegistry,
+                                                     tmp_path: Path) -> None:
+    """A restart's warm-up answers an empty fingerprint and ready false: the run measures nothing and concludes
+    nothing (no stale baseline, no failure, the last PSNR kept); once ready, the same baseline scores again."""
+    capture_baseline(standin.url, SMALL, tmp_path)
+    p = make(standin, registry, tmp_path)
+    assert p.run_once().status == "ok"
+    before = psnr_series(scrape(registry))
+    fingerprint, standin.fingerprint, standin.ready = standin.fingerprint, {}, False
+    n = len(standin.requests)
+    res = p.run_once()
+    assert res.status == "not_ready" and not res.stale and len(standin.requests) == n
+    d = scrape(registry)
+    assert value(d, "stepwatch_quality_baseline_stale", probe_set="default") == 0
+    assert total(d, "stepwatch_quality_probe_failures_total") == 0
+    assert value(d, "stepwatch_quality_probe_runs_total", probe_set="default") == 1
+    assert psnr_series(d) == before
+    standin.fingerprint, standin.ready = fingerprint, True
+    assert p.run_once().status == "ok"
+
+
 def test_target_down_counts_failures_and_survives(standin: StandIn, registry: CollectorRegistry,
                                                   tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     capture_baseline(standin.url, SMALL, tmp_path)

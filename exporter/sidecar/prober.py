@@ -39,7 +39,7 @@ QUALITY_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS
 ENDS_THE_SET = ("connect", "http_503")
 MAX_CONSECUTIVE_TIMEOUTS = 3
 
-Status = Literal["ok", "partial", "stale", "baseline_error", "failed", "aborted"]
+Status = Literal["ok", "partial", "stale", "baseline_error", "failed", "aborted", "not_ready"]
 
 
 def quality_metrics(registry: CollectorRegistry) -> SidecarMetrics:
@@ -279,6 +279,12 @@ class Prober:
             self._fail(res, e.reason)
             res.error = f"target {self.target}: {e.detail}"
             return
+        if info.ready is False or not info.fingerprint:
+            # A restart's warm-up answers an empty fingerprint: hashed, it would read as a new deployment with no
+            # baseline. Nothing is measured or concluded until the service is ready.
+            res.status = "not_ready"
+            res.error = f"target {self.target} is warming up: no probe and no staleness until it is ready"
+            return
         res.target_fingerprint_id = info.fingerprint_id
         self.gpus = info.gpus
         lk = self.store.lookup(self.probe_set, info.fingerprint_id)
@@ -388,7 +394,7 @@ class Prober:
         m, name = self.metrics, self.probe_set.name
         for reason, n in res.failures.items():
             m.quality_probe_failures_total.labels(name, reason if reason in REASONS else "http_other").inc(n)
-        if res.status == "failed" or res.status == "aborted":
+        if res.status in ("failed", "aborted", "not_ready"):
             return  # nothing new was measured: the last values stay, their age shows in last_success
         lk = self._lookup
         if res.status == "baseline_error":
