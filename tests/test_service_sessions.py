@@ -73,6 +73,15 @@ def test_every_bad_session_body_gets_a_400_naming_its_field() -> None:
         assert_client_safe(e.value.body())
 
 
+def test_the_sidecars_stream_probe_asks_for_the_session_it_means() -> None:
+    """The stream probe's body passes the service's checks, and its size is the one served (not the default)."""
+    from stepwatch.exporter.sidecar.config import default_stream_probe_set
+
+    item = default_stream_probe_set(size="128x128", chunks=4).items[0]
+    req = parse_request(item.session_body(), _cfg())
+    assert (req["width"], req["height"], req["chunks"], req["seed"]) == (128, 128, 4, item.seed)
+
+
 def test_a_prompt_change_is_checked_as_an_opening_prompt() -> None:
     assert prompt_of({"prompt": "a kite"}) == "a kite"
     for body in ({"prompt": "\udfff"}, {"prompt": ""}, {"prompt": 3}, {"prompt": "x", "seed": 1}, [], {}):

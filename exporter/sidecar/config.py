@@ -70,8 +70,7 @@ class ProbeItem:
 
     def session_body(self) -> dict[str, Any]:
         """The ``POST /v1/stream/sessions`` body for a stream probe (its steps are the service's, as a viewer's)."""
-        w, h = self.width_height
-        return {"prompt": self.prompt, "seed": self.seed, "width": w, "height": h, "chunks": self.chunks}
+        return {"prompt": self.prompt, "seed": self.seed, "size": self.size, "chunks": self.chunks}
 
     @property
     def width_height(self) -> tuple[int, int]:
