@@ -10,7 +10,7 @@ Three choices follow from it:
   the median and the trimmed mean on the same nine runs: 0.40-0.87% vs 0.41-0.69%).
 - **Its interval is a moving-block bootstrap** (blocks of two crossover blocks, so each resampled block has
   both pipelines on each side once): consecutive pairs share the host's weather, and resampling pairs one by
-  one made the old intervals too narrow (an A/A read 1.0107 [1.0038, 1.0183]).
+  one gives intervals too narrow (an A/A read 1.0107 [1.0038, 1.0183] that way).
 - **Rounds run until the interval's half-width is under a precision** (0.4% by default) or a time budget is
   spent, after a minimum: the noise differs by host and by hour, so a fixed count is either wasted or short.
   The stop rule looks at the width only, never at the estimate, so it does not steer the answer.

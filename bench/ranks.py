@@ -34,7 +34,8 @@ VARIANTS = ("bare", "before", "now")
 
 
 class LegacyRankReporter(PerRequestReporter):
-    """The rank timing as it was: busy = step time minus host-timed waits, gathered per request."""
+    """The per-request alternative (the "before" variant): busy = step time minus host-timed waits, gathered
+    per request."""
 
     def __init__(self, rank: int | None = None, world: int | None = None) -> None:
         import torch.distributed as dist
@@ -52,7 +53,7 @@ class LegacyRankReporter(PerRequestReporter):
         setattr(mod, _TARGET[1], self.timing(self._orig))
 
     def timing(self, orig: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``orig`` with its duration added to the wait under the lock: the old hot path."""
+        """``orig`` with its duration added to the wait under the lock: that alternative's hot path."""
 
         def timed_wait(tensor: Any) -> Any:
             t0 = time.perf_counter()

@@ -51,8 +51,8 @@ class ThreadTotals:
     thread that has ended since, so the totals never go down.
 
     A plain sum over /proc/self/task drops an ended thread's seconds: a streaming session's thread ending
-    made the scraped counter fall (2026-12-05), Prometheus read the fall as a reset, and the CPU check of a
-    stall triage looked at nonsense.  What an ended thread did after the last reading is lost (an
+    would make the scraped counter fall, Prometheus reads a fall as a reset, and the CPU check of a stall
+    triage would look at nonsense.  What an ended thread did after the last reading is lost (an
     undercount of at most one scrape interval of one thread); a thread id reused with smaller counters is a
     new thread.  Safe to call from several threads (the rank reporter reads it from the pipeline's and
     from its shipping thread): two readings at once would count an ended thread twice."""

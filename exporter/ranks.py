@@ -12,8 +12,8 @@ the output's all-gather at the end of each transformer call (``EquipartitionShar
 any the host marks with ``RankReporter.stamp`` (the practice service: its cache's agreement
 all-reduce, rank 0's broadcast of each request).  Two clock reads and one append per collective,
 nothing else on the hot path.  A collective left unstamped is invisible to the stall signals: a rank
-waiting in it looks like a rank stuck in its own code (the two-rank stall drill in CI named a hung
-worker twice, rank 0 waiting for a frozen rank 1 in one of these while its stamped wait read 0).  A background thread on
+waiting in it looks like a rank stuck in its own code (the two-rank stall drill then names a hung
+worker: rank 0 waits for a frozen rank 1 in one of these while its stamped wait reads 0).  A background thread on
 each rank ships its new stamps every ``interval`` seconds to rank 0 through the process group's
 key-value store (``queue_push``: no collective, so no rank ever waits for the instrumentation, and
 a stuck rank cannot stop the others from publishing).  Rank 0 aligns the collectives (the k-th of
@@ -171,7 +171,7 @@ class RankReporter:
     def close(self, timeout: float = 10.0) -> None:
         """Stop the shipping thread and wait for it: a tick still inside the store when the host then
         destroys its process group (or exits) aborts the process ("terminate called without an active
-        exception", seen once in CI on a follower rank)."""
+        exception", on a follower rank)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)

@@ -371,8 +371,8 @@ class ReplicaConfigDrift(FleetDrill):
     name = "replica-config-drift"
     doc_id = "replica_config_drift"
     reads_quality = True
-    # In place once the replica serves on its new file: the rollout (drain, restart, warm-up) took 32-35 s here and
-    # 45 s on a CI host, and nothing of the drift can show before it ends (runbooks/drills.md's criterion).
+    # In place once the replica serves on its new file: the rollout (drain, restart, warm-up) takes 32-45 s on a
+    # 2-core host, and nothing of the drift can show before it ends (runbooks/drills.md's criterion).
     in_place_when_injected = True
     description = ("One replica rolled out on a config file of its own with a higher cache threshold (no knob, "
                    "fingerprint unchanged): its probe PSNR falls below the gate, the others' do not; "
@@ -467,7 +467,7 @@ class PoolShort(FleetDrill):
         spec = self.th.alert("queue_wait")
         hold = spec.for_seconds(stack.profile)
         # The ramp's whole length: on a faster host the queue crosses its line only after more clients than the
-        # capacity formula needed (2026-12-05: 30 clients were not enough there, and were on 2026-12-04's host).
+        # capacity formula needs (30 clients are enough on one 2-core host and not on a faster one).
         ramp = r.details.get("ramp", {})
         ramp_s = float(ramp.get("clients", 0)) * float(ramp.get("every_seconds", 0))
         deadline = r.injected_at + max(self.criteria.goal_s, ramp_s) + 30

@@ -26,7 +26,7 @@ SEED_DRILLS = ("cache-threshold", "off-menu-resolution", "vae-tiling-oom")
 # Run by name only: on 2 CPU cores the request computes ~90 s before it runs out of memory (four 2048^2
 # images), past the 60 s goal; its recording is still a triage case (a GPU fails it in seconds).  compile-off:
 # on the 2-core stack, compiled kernels wait for the CPU beside Prometheus, the prober and the clients, so
-# eager steps read only 1.1-1.4x of them: detected after 71 s (run 18), not at all in 4 minutes (run 19).
+# eager steps read only 1.1-1.4x of them: detected after 71 s (compile-off-18), or not at all in 4 minutes.
 BY_NAME_ONLY = ("shape-too-large", "compile-off")
 ALL_DRILLS = tuple(n for n in DRILLS if n not in BY_NAME_ONLY)
 RIVAL_DRILLS = tuple(d.name for d in RIVALS if d.name not in BY_NAME_ONLY)

@@ -271,7 +271,7 @@ class WorkerKilled(Drill):
         Without the arrivals the drill's two closed-loop clients decide it by chance: when the probe's request
         is the one in flight, both clients wait in the queue through the restart (26 s) and get 200, nobody
         sends during it, and no error is counted (`drill all`, 2026-12-06); when a client's is, that client gets
-        a 503 and retries into "not ready" until the new worker is up (97% errors, run 12).  Users who keep
+        a 503 and retries into "not ready" until the new worker is up (97% errors in worker-killed-12).  Users who keep
         arriving get the 503s a restart costs, whatever was in flight."""
         start_arrivals(self, stack, r)
         kills = int(self.spec.inject["kill_worker"].get("times", 1))
@@ -364,8 +364,8 @@ class CpuContention(Drill):
         starved = stack.prom.value(queries.pipeline_cpu_starved(w))
         r.details.update(step_seconds_during=now, cpu_wait_during=wait, cpu_wait_per_run_second=starved)
         r.checks["steps_slower"] = bool(before and now and now > before)
-        # As the step-time runbook asks it (its check 9): waits per second run, not the waits alone (0.376 s/s
-        # against the old 0.4 line in `drill all` of 2026-12-06, while triage rightly said cpu_contention).
+        # As the step-time runbook asks it (its check 9): waits per second run, not the waits alone (0.376 s/s,
+        # under a 0.4 line on the waits, in `drill all` of 2026-12-06, while triage rightly said cpu_contention).
         r.checks["waits_for_a_cpu"] = starved is not None and starved > float(self.th.diagnosis["cpu_starved"])
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
@@ -508,8 +508,8 @@ class WorkerFreezeBacklog(WorkerFreeze):
 
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
         """The queue grew; then the freeze lasts until /readyz says 503, as it must for a frozen worker.  The
-        queue alert may fire before the stall limit (16.2 s after the freeze on a clean clone, 2026-12-06): the
-        restore then came first and the drill failed health_red_during with nothing wrong."""
+        queue alert may fire before the stall limit (16.2 s after the freeze, 2026-12-06): a restore at that
+        point would come first and fail health_red_during with nothing wrong."""
         r.details["queue_depth"] = {s.label("pool"): s.value for s in stack.prom.query(queries.queue_depth_by_pool())}
         r.checks["queue_grew"] = max(r.details["queue_depth"].values(), default=0) > 0
         _readyz_turns_503(stack, r, within_s=READYZ_RED_WITHIN_S)

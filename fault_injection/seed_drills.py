@@ -86,7 +86,7 @@ class OffMenuResolution(Drill):
         """The baseline clients' median latency per size, during the off-menu batch vs the rate window before
         it: every size under ``p50_stays_below`` times its own.  Per size and from the clients: the service's
         histogram p50 over the two-size mix sits between the sizes' modes (0.79 s between ~0.5 and ~1.0) and
-        jumped to 1.30 s in CI when the mix shifted, with neither size's requests 1.5x slower."""
+        jumps to 1.30 s when the mix shifts, with neither size's requests 1.5x slower."""
         traffic = stack.active_traffic
         if traffic is None:
             return False

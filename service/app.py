@@ -22,7 +22,7 @@ that goes away has its queued request cancelled (it never runs) and taken out of
 the queue.  ``/healthz`` and ``/readyz`` are async and ``/metrics`` has its own
 threads, so they answer however many generations wait.
 
-Clients that stall are cut off, as the old server's 60 s socket timeout did
+Clients that stall are cut off after a socket timeout
 (uvicorn alone times out only idle keep-alive connections): a connection that
 sends no request head for ``CLIENT_TIMEOUT`` seconds is closed, and a body that
 has not arrived by then gets a 408.
@@ -479,7 +479,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class _StallTimeout(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with the old server's socket timeout for request heads: a connection that
+    """uvicorn's HTTP/1.1 protocol with a socket timeout for request heads: a connection that
     opens, or starts a request, and then sends nothing for ``client_timeout`` seconds is closed.  (uvicorn
     itself times out only idle keep-alive connections, after an answer; a stalled body is the app's 408.)"""
 

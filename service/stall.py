@@ -3,7 +3,7 @@
 The worker runs one generation at a time, and the queue predicts each one's seconds at
 admission (``Ticket.predicted``).  A worker frozen by a signal, stuck in a collective
 that another rank never enters, or spinning in a deadlock answers nothing: its own
-metrics may be gone with it, and ``/healthz`` used to answer 200 throughout.  So the
+metrics may be gone with it, and its process is still alive to a liveness check.  So the
 HTTP process, which stays alive, measures it: seconds on the generation in flight
 against ``threshold`` x its prediction, never below ``min_seconds`` (both from
 ``alerts.worker_stalled`` in stepwatch/thresholds.yaml, the alert's own numbers, of the

@@ -456,7 +456,7 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         # Event panels show a counter's first event once Prometheus has one rate interval of history for
         # the job (so a restarted Prometheus does not mistake old counters for new events): give it that,
         # counted from Prometheus' first scrape, not the stack's start (Prometheus starts last; on a 2-core
-        # CI host the compile and the few-step hits below fell inside its first minute, and panels were empty).
+        # host the compile and the few-step hits below can fall inside its first minute and leave panels empty).
         time.sleep(max(0.0, st.prometheus_started + 80 - time.time()))
         st.knobs(vae_tiling=False)
         status, body, _ = st.generate(size="2048x2048", steps=1)
@@ -467,7 +467,7 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         _video_job_with_a_cache(st)
         _two_sessions(st)
         # The job's hits reach Prometheus through the worker, the service and a scrape: on a loaded host more
-        # than the two scrapes below (the few-step panel came back empty once in a clean-clone run).
+        # than the two scrapes below (with those alone the few-step panel can come back empty).
         _wait_for_series(st.prom, "stepwatch_cache_few_step_hits_total", timeout=60)
         time.sleep(12)  # two scrapes and a rule evaluation after the last event
         st.end = time.time()

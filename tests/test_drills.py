@@ -286,8 +286,8 @@ def test_cpu_neighbour_dies_with_a_killed_drill_runner() -> None:
 
 
 # What CI runs live, and why no more: the suite must keep to its 45 minutes on a 2-core host, and one
-# drill costs 50-125 s there (baseline traffic, the fault, the alert clearing after the restore). CI's
-# stop-32 run took 56 minutes of pytest, the one-rank drills 838 s of it. Live: the seeds' three and the
+# drill costs 50-125 s there (baseline traffic, the fault, the alert clearing after the restore); the one-rank
+# drills below take 538 s of the suite (docs/benchmarks.md, 2026-12-06). Live: the seeds' three and the
 # frozen one-rank worker with users arriving open loop (the freeze, the arrivals, the queue-wait alert and
 # the queue runbook's hung-generation line: machinery nothing else exercises). Scored from their recordings
 # (triage eval) and run by `stepwatch drill all`, not here: queue-overload (its 429s are
@@ -312,8 +312,8 @@ def test_seed_and_frozen_worker_drills_end_to_end(tmp_path: Path) -> None:
 @pytest.mark.heavy
 def test_collective_stall_drill(tmp_path: Path) -> None:
     """The frozen rank on a two-rank stack: the other rank waits in a collective, the stall alert fires and
-    triage names the hang, not the starved CPU (its triage once said cpu_contention here).  The stragglers run
-    by name and from their recordings (straggler 111 s, straggler-neighbour 111 s in the drill-all of
+    triage names the hang, not the starved CPU (a CPU check asked before the ranks says cpu_contention here).
+    The stragglers run by name and from their recordings (straggler 111 s, straggler-neighbour 111 s in the drill-all of
     2026-12-06): the delayed rank's panels are test_dashboards' live rank test, the crowded rank's timing
     the two-rank soak's (test_service_ranks), their alert promtool's cases."""
     names = ("worker-stall",)

@@ -102,7 +102,7 @@ def test_a_starved_rank_whose_transfers_drag_is_named_where_busy_minus_wait_is_n
     clock = Clock()
     r0, r1, _ch, registry = two_ranks(clock)
     request(r0, r1, clock, compute=[0.010, 0.010], late_exit=[0, 0.003])
-    for tl in (r0.timeline, r1.timeline):  # the old measure: step time minus time waiting in collectives
+    for tl in (r0.timeline, r1.timeline):  # the naive measure: step time minus time waiting in collectives
         marks = next(iter(tl.by_request.values()))
         tl.old = sum(a - b for (a, _), (_, b) in zip(marks[1:], marks[:-1], strict=True))
     assert abs(r1.timeline.old / r0.timeline.old - 1) < 0.01  # blind to it
@@ -178,8 +178,8 @@ def test_a_frozen_rank_shows_as_progress_age_while_the_other_waits_in_its_collec
 
 def test_a_host_collective_stamped_by_the_reporter_shows_as_a_wait_for_the_frozen_rank() -> None:
     """The practice service's cache agreement is an all-reduce of its own, not diffusers' attention wait.
-    Unstamped, rank 0 blocked in it looked like a rank stuck in its own code: the two-rank stall drill named
-    a hung worker, not the collective hang (CI).  ``stamp`` makes it a wait like any other."""
+    Unstamped, rank 0 blocked in it looks like a rank stuck in its own code: the two-rank stall drill names
+    a hung worker, not the collective hang.  ``stamp`` makes it a wait like any other."""
     clock = Clock()
     r0, r1, _ch, registry = two_ranks(clock)
     for rep in (r0, r1):
@@ -232,7 +232,7 @@ def test_a_silent_rank_counts_from_its_last_heartbeat_once_the_others_run_a_requ
 def test_a_rank_frozen_between_requests_counts_while_rank_0_waits_to_send_it_the_next() -> None:
     """Rank 0 broadcasts each request to the others before it begins it; a follower frozen while idle leaves it
     waiting in that send (stamped by the worker), not in a request: the frozen rank still counts from its last
-    heartbeat, so the stall reads as a collective hang (two-rank stall drill in CI: it read as a hung worker)."""
+    heartbeat, so the stall reads as a collective hang (unstamped, the two-rank stall drill reads as a hung worker)."""
     clock = Clock()
     r0, r1, _ch, registry = two_ranks(clock)
     r1.tick()  # idle, then frozen

@@ -482,7 +482,7 @@ def test_service_and_sidecar_names_used_appear_live(th: Any, runbooks: dict[str,
 @pytest.mark.needs_tool("promtool")
 @pytest.mark.parametrize("needed, ratios, expected", [
     # An overloaded pool on shared CPUs: one instance a few percent off the median is noise inside the
-    # bad-instance line; it must not explain away a shortage of 2% (CI, 2026-12-05, named bad_instance).
+    # bad-instance line; it must not explain away a shortage of 2% (counting its whole excess names bad_instance).
     (3.06, (1.0, 1.0, 1.09), 1.02),
     # Past the line, only the excess beyond it counts: 20% slower, a 3% shortage is still the load's.
     (3.09, (1.0, 1.0, 1.2), 1.03 / (1 + 0.1 / 3)),
@@ -524,7 +524,7 @@ def _promtool_evaluates(tmp_path: Path, series: list[dict[str, str]], query: str
 @pytest.mark.needs_tool("promtool")
 @pytest.mark.parametrize("busy, expected_s, slo, value", [
     # A 512^2 generation predicted 0.19 s, frozen for 12 s: past the queue's line (half of 10 s) long before the
-    # stall alert's floor (20 s in drills): the generation holds the queue (before: 0.6, "not stalled").
+    # stall alert's floor (20 s in drills): the generation holds the queue (against the floor: 0.6, "not stalled").
     (12.0, 0.19, 10.0, 2.4),
     # A 2048^2 generation predicted 9 s, 40 s in: its own limit (10x its prediction) is the longer line.
     (40.0, 9.0, 60.0, 40 / 90),

@@ -87,7 +87,7 @@ def test_a_frozen_worker_turns_readiness_red_and_is_restarted(tmp_path: Path) ->
                                  "cache": {"kind": "none"}})
     try:
         pid = svc.get("/v1/stepwatch/info")[1]["worker"]["pid"]
-        os.kill(pid, signal.SIGSTOP)  # frozen: no reply, no metrics of its own, /healthz used to say 200
+        os.kill(pid, signal.SIGSTOP)  # frozen: no reply, no metrics of its own, yet its process is alive
         answer: dict[str, Any] = {}
         t = threading.Thread(target=lambda: answer.update(code=svc.generate(size="256x256", steps=4)))
         t.start()

@@ -316,7 +316,7 @@ def test_probe_timeouts_behind_a_stalled_worker_follow_the_stall() -> None:
     assert [(d.alert.name, d.cause) for d in inc.followers] == [("StepwatchQualityProbeFailing", "worker_hung")]
     probe = inc.followers[0]
     assert probe.path == ["service_up", "baseline", "stalled", "stall_answers"]
-    assert next(c for c in probe.checks if c.id == "timeouts").outcome == "unhealthy"  # before: queue_backlog
+    assert next(c for c in probe.checks if c.id == "timeouts").outcome == "unhealthy"  # off the path
     join = probe.explained_by
     assert join is not None and join.alert == "StepwatchWorkerStalled" and join.firing == stall.short()
     assert join.labels == {"instance": SVC, "pool": "small"} and join.check.id == "stalled"
@@ -347,8 +347,9 @@ def test_a_worker_slowed_past_the_stall_limit_by_a_neighbour_is_contention_not_a
 
 
 def test_a_stall_of_several_ranks_is_not_asked_about_the_cpu() -> None:
-    """Two ranks on two cores wait for each other's threads (0.28 s per second run at a frozen rank's stall,
-    CI 2026-12-05, named cpu_contention when the question came first): with 2+ ranks the rank is the answer."""
+    """Two ranks on two cores wait for each other's threads (0.28 s per second run at a frozen rank's stall in
+    the two-rank stall drill, named cpu_contention if the question comes first): with 2+ ranks the rank is the
+    answer."""
     rules = [(r"cpu_run_seconds_total", 0.8), *_probe_world(1.5, ranks=2.0, timeouts=2.0)]
     probe = triage([_probe()], StubProm(rules), thresholds=TH).incidents[0].primary  # type: ignore[arg-type]
     assert probe.cause == "collective_hang" and "stall_cpu" not in probe.path
@@ -392,7 +393,7 @@ def test_probe_timeouts_with_a_healthy_worker_are_still_the_queue() -> None:
 
 @pytest.mark.parametrize("stall", [None, 0.0])  # a service without the stall gauges; an idle worker
 def test_probe_failures_with_nothing_else_wrong_end_as_before(stall: float | None) -> None:
-    """Control: bad answers and nothing else wrong end the walk without a cause, as before the stall checks."""
+    """Control: bad answers and nothing else wrong end the walk without a cause, as without the stall checks."""
     report = triage([_probe("bad_response")], StubProm(_probe_world(stall)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert d.cause is None and d.flow_end == "end" and d.explained_by is None
@@ -428,7 +429,7 @@ def _queue_world(stall: float | None, *, answers: float | None = 1.0, ranks: flo
 
 def test_queue_behind_a_stalled_worker_follows_the_stall() -> None:
     # Frozen worker (its metrics gone), the stall alert firing, every instance of the pool over the line: the
-    # queue grew behind the stuck generation, not for lack of capacity (before: under_provisioned).
+    # queue grew behind the stuck generation, not for lack of capacity (not under_provisioned).
     stall = _alert("worker_stalled", instance=SVC, pool="small")
     rules = _queue_world(1.75, answers=None)
     report = Engine(StubProm(rules), TH).run([_queue(), stall])  # type: ignore[arg-type]
@@ -438,7 +439,7 @@ def test_queue_behind_a_stalled_worker_follows_the_stall() -> None:
     assert [(d.alert.name, d.cause) for d in inc.followers] == [("StepwatchQueueWaitHigh", "worker_hung")]
     queue = inc.followers[0]
     assert queue.path == ["stalled", "stall_compiled", "stall_answers"] and queue.confidence == "high"
-    assert next(c for c in queue.checks if c.id == "pool_wide").outcome == "unhealthy"  # off the path now
+    assert next(c for c in queue.checks if c.id == "pool_wide").outcome == "unhealthy"  # off the path
     join = queue.explained_by
     assert join is not None and join.alert == "StepwatchWorkerStalled" and join.firing == stall.short()
     assert join.labels == {"instance": SVC, "pool": "small"} and join.check.id == "stalled"
@@ -453,14 +454,14 @@ def test_queue_behind_a_stalled_worker_follows_the_stall() -> None:
 
 def test_queue_after_a_stall_names_it_when_its_alert_has_resolved() -> None:
     # The service restarted the two-rank worker at twice the limit (the stall alert resolved) and the backlog
-    # still drains: the stall in the lookback explains the queue, ahead of the restart it caused (before:
+    # still drains: the stall in the lookback explains the queue, ahead of the restart it caused (not
     # worker_crashed).
     rules = _queue_world(2.0, ranks=2.0, restarts=1.0)
     report = triage([_queue()], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
     inc = report.incidents[0]
     assert report.causes == ["collective_hang"]
     assert inc.primary.path == ["stalled", "stall_compiled", "stall_answers", "stall_ranks"]
-    assert next(c for c in inc.primary.checks if c.id == "restarts").outcome == "unhealthy"  # off the path now
+    assert next(c for c in inc.primary.checks if c.id == "restarts").outcome == "unhealthy"  # off the path
     join = inc.primary.explained_by
     assert join is not None and join.firing == ""
     assert join.short() == "StepwatchWorkerStalled{instance=127.0.0.1:8000, pool=small}"
@@ -485,7 +486,7 @@ def test_queue_behind_a_long_compile_is_the_recompiles_not_a_hang() -> None:
 
 
 def test_queue_restart_without_a_stall_is_still_the_crash() -> None:
-    """A restart with no stall in the lookback (a crash) stays ``worker_crashed``, as before the stall checks."""
+    """A restart with no stall in the lookback (a crash) stays ``worker_crashed``, as without the stall checks."""
     report = triage([_queue()], StubProm(_queue_world(0.02, restarts=1.0)), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].primary
     assert (d.cause, d.confidence, d.explained_by) == ("worker_crashed", "high", None)
@@ -516,7 +517,7 @@ def test_queue_with_a_healthy_worker_is_unchanged(stall: float | None, pool_wide
 @pytest.mark.parametrize("needed, ready, cause", [
     (1.4, 3.0, "under_provisioned"),  # the pool short by the capacity formula: the first queue over is its
     (0.8, 3.0, "queue_backlog"),  # enough instances: the one queue over the line is a backlog in one place
-    (1.4, 1.0, "queue_backlog"),  # a pool of one has nothing to size (the capacity alert's floor): as before
+    (1.4, 1.0, "queue_backlog"),  # a pool of one has nothing to size (the capacity alert's floor): a backlog
 ])
 def test_queue_over_the_line_on_some_instances_of_a_short_pool_is_the_pool(needed: float, ready: float,
                                                                          cause: str) -> None:

@@ -259,8 +259,8 @@ def test_every_alert_has_exactly_one_false_alarm_and_faults_name_known_alerts() 
             assert sc["expected_cause"] is None and sc["samples_from"] != sc["name"], sc["name"]
     assert committed["faults"] > 0 and committed["controls"] > len(committed["false_alarms"])
 # Cases recorded fresh and wrong on the runbooks as they are: open defects, kept in the set so that the score
-# says so (triage/README.md); a fix is scored on a fresh recording, not on these.  Run 9's four others left
-# the set when their runbooks (or their label) changed because of them; runs 12-14 score those changes.
+# says so (triage/README.md); a fix is scored on a fresh recording, not on these.  Cases a runbook (or a label)
+# was fitted to are not in the set; batches 12-14 score those fits.
 KNOWN_MISSES: set[str] = {
     "worker-killed-9",  # cold_start: the second kill waited 65 s for a ready worker; the restarts left the window
 }
@@ -294,8 +294,8 @@ def test_eval_over_committed_scenarios() -> None:
         sc = load_scenario(p.parent)
         assert sc.get("runbooks_revision"), p.parent.name
     total = sum(f.stat().st_size for f in SCENARIOS.rglob("*") if f.is_file())
-    # Committed data stays small: ~100 KB a recorded case (6.3 MB after run 9, 9.2 MB after run 13, 9.8 MiB after
-    # run 17, 9.7 MiB after run 22); past 10 MiB the oldest runs' cases that newer runs repeat leave the set.
+    # Committed data stays small: ~100 KB a recorded case (9.9 MiB for 160 cases, 2026-12-05); past 10 MiB an older
+    # batch's cases that a newer batch repeats leave the set.
     assert total < 10 * 2**20
 
 
@@ -498,7 +498,7 @@ def test_probe_failing_while_the_worker_stalls_joins_the_stall(probe_world: Repl
 
 def test_probe_failing_after_the_restart_still_names_the_stall(probe_world: Replay) -> None:
     """30 s after the restart the stall alert has resolved and the worker is warm again; the probe's
-    timeouts over its window are still the stall's (the old flow named queue_backlog here)."""
+    timeouts over its window are still the stall's, not a queue_backlog."""
     host = HOSTS["stall"]
     report = triage([_probe(host)], probe_world.prom, at=RESTART + 30)
     d = report.incidents[0].primary
@@ -506,7 +506,7 @@ def test_probe_failing_after_the_restart_still_names_the_stall(probe_world: Repl
                                                    "stall_ranks", "stall_cpu"]
     checks = {c.id: c for c in d.checks}
     assert checks["stalled"].values[0][1] == pytest.approx(2.0)  # 40 s: the last scrape before the restart
-    assert checks["restarted"].outcome == checks["timeouts"].outcome == "unhealthy"  # off the path now
+    assert checks["restarted"].outcome == checks["timeouts"].outcome == "unhealthy"  # off the path
     assert d.explained_by is not None and d.explained_by.firing == ""
     assert d.explained_by.labels == {"instance": f"{host}:8000", "pool": "small"}
 
@@ -555,7 +555,7 @@ def test_queue_wait_after_the_restart_still_names_the_stall(probe_world: Replay)
                                                    "stall_cpu"]
     checks = {c.id: c for c in d.checks}
     assert checks["stalled"].values[0][1] == pytest.approx(40 / 15)  # 40 s (the last scrape before the restart)
-    assert checks["restarts"].outcome == "unhealthy"  # off the path now
+    assert checks["restarts"].outcome == "unhealthy"  # off the path
     assert d.explained_by is not None and d.explained_by.firing == ""
     assert d.explained_by.labels == {"instance": f"{host}:8000", "pool": "small"}
 
