@@ -95,7 +95,7 @@ class SessionLoop(ClientLoop):
 class StreamStall(Drill):
     name = "stream-stall"
     doc_id = "stream_stall"
-    in_place_when_injected = True  # a knob: from the next session on
+    in_place_when_injected = True  # a knob: from the next streaming session on
     reads_baselines = False
     # Eight times the steps of every chunk take the worker's CPUs from the image requests beside them.
     companions = ("step_time_regression", "queue_wait", "probe_failing")
@@ -164,7 +164,7 @@ class KvWindowTooLong(Drill):
     reads_baselines = False
     description = ("The KV window made 32 chunks long and a long session opened at 128x128: its KV cache needs more "
                    "than the worker's KV memory. That session fails at once as an out-of-memory of stage kv_cache, "
-                   "triage names the window; the next session and the images are served by the same worker.")
+                   "triage names the window; the next streaming session and the images are served by the same worker.")
 
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         info = stack.info()

@@ -179,7 +179,7 @@ class StreamSessions:
         self.send = send
         self.text_tokens = text_tokens
         self.kv_cache = cfg.kv_cache
-        self.window = cfg.window_chunks  # knobs stream_window_chunks, stream_steps: from the next session on
+        self.window = cfg.window_chunks  # knobs stream_window_chunks, stream_steps: from the next streaming session on
         self.steps = cfg.steps
         self.late_steps = cfg.late_steps  # knob stream_late_steps: chunks from cfg.late_from_chunk on; 0: steps
         self.slots = [self._slot(registry, seed, device, dtype) for _ in range(cfg.max_sessions)]
@@ -202,7 +202,7 @@ class StreamSessions:
         return [f"{s}x{frames}_{self.cfg.steps}s" for s in self.cfg.sizes]
 
     def apply_knobs(self, knobs: dict[str, Any]) -> dict[str, Any]:
-        """The stream knobs (checked by knobs.validate); they apply from the next session on."""
+        """The stream knobs (checked by knobs.validate); they apply from the next streaming session on."""
         if "stream_window_chunks" in knobs:
             self.window = int(knobs["stream_window_chunks"])
         if "stream_steps" in knobs:
