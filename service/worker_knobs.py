@@ -87,6 +87,10 @@ class Knobs:
         # after a few shapes and hide exactly the serving recompiles the service must show.
         torch._dynamo.config.recompile_limit = 256
         torch._dynamo.config.accumulated_recompile_limit = 4096
+        # FX marks "tracing" in one flag for the whole process, and a compile traces: while a streaming session's
+        # thread compiles or traces, a compiled block called on this thread would raise "FX to symbolically trace a
+        # dynamo-optimized function". Off, that call runs the block eagerly once (same result); the next compiles.
+        torch._dynamo.config.error_on_nested_fx_trace = False
         tr = self.pipe.transformer
         mode, backend = self.cfg.compile.mode, self.cfg.compile.backend
         if on:
