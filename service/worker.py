@@ -33,7 +33,7 @@ from stepwatch.exporter import instrument
 from stepwatch.exporter.memory import is_oom
 from stepwatch.exporter.ranks import RankReporter
 from stepwatch.exposition import serve_metrics
-from stepwatch.procs import keep_address_space_returnable, malloc_trim
+from stepwatch.procs import malloc_trim
 from stepwatch.service import knobs as knob_rules
 from stepwatch.service.api import GenerationRequest
 from stepwatch.service.cache import apply_cache, current
@@ -390,9 +390,6 @@ def configure_process(rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not keep_address_space_returnable():
-        logging.getLogger(__name__).warning("glibc's mallopt is not available: freed memory may keep its address "
-                                            "space, and a large request may leave later ones out of memory")
 
 
 def start(w: Worker) -> ReadyMsg | None:

@@ -34,16 +34,17 @@ ARENA_MAX = 2
 
 
 def keep_address_space_returnable() -> bool:
-    """Make freed memory give its address space back, as the RLIMIT_AS budget needs.
+    """Make freed memory give its address space back: the HTTP process calls it at start-up.
 
     glibc raises its mmap threshold to the size of any mapped block freed (up to 32 MiB); from then on blocks
-    of that size come from the heap and the per-thread arenas, whose address space stays reserved once freed.
-    One 121-frame video job left the worker's address space 450 MB above its start and every later 41-frame job
-    out of memory under its RLIMIT_AS budget, although its resident memory came back; the HTTP process kept the
-    heap of the chunks it had queued for clients that stopped reading.  A fixed threshold (which also
-    turns the raising off) keeps every block of a MiB and more in a mapping of its own, returned at once when
-    freed, and two arenas bound what torch's threads reserve (64 MiB of address space each).  True when glibc
-    took both settings; elsewhere nothing changes.
+    of that size come from the heap and the per-thread arenas, whose address space and pages stay with the
+    process once freed.  The HTTP process queues chunks of hundreds of KB for slow stream clients: a fixed
+    threshold (which also turns the raising off) keeps every block of a MiB and more in a mapping of its own,
+    returned when freed, and two arenas bound what its threads reserve (64 MiB of address space each).
+    The worker does not call it: there the same settings stop a large video job from leaving later ones out of
+    memory under RLIMIT_AS, but every tensor of a MiB or more then costs a fresh mapping, and an image at
+    512x512 x 8 steps took 1.55-1.77x as long on CPU (16 MiB does not stop the creep).  True when glibc took
+    both settings; elsewhere nothing changes.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
