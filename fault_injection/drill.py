@@ -145,6 +145,16 @@ class Drill:
     def after(self, stack: LocalStack, r: DrillResult) -> None:
         """Checks after the fault is removed."""
 
+    def check_same_worker_memory_back(self, stack: LocalStack, r: DrillResult) -> None:
+        """After an out-of-memory fault: the same worker serves (no restart) and its resident memory is back
+        within ``criteria.rss_back_within`` of what it was before the fault."""
+        info = stack.info()
+        before, now = r.details.get("worker_rss_before"), info["worker"]["rss_bytes"]
+        r.details["worker_rss_after"] = now
+        r.checks["same_worker_no_restart"] = info["worker"]["pid"] == r.details.get("worker_pid_before")
+        within = self.criteria.rss_back_within
+        r.checks["memory_back_near_baseline"] = bool(before and now and abs(now - before) <= within * before)
+
     def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
         return bool(alert["labels"].get("alertname") == self.expected)
 

@@ -141,12 +141,7 @@ class VaeTilingOom(Drill):
         stack.knobs(**self.restore_knobs({}))
 
     def after(self, stack: LocalStack, r: DrillResult) -> None:
-        info = stack.info()
-        before, now = r.details.get("worker_rss_before"), info["worker"]["rss_bytes"]
-        r.details["worker_rss_after"] = now
-        r.checks["same_worker_no_restart"] = info["worker"]["pid"] == r.details.get("worker_pid_before")
-        within = self.criteria.rss_back_within
-        r.checks["memory_back_near_baseline"] = bool(before and now and abs(now - before) <= within * before)
+        self.check_same_worker_memory_back(stack, r)
         tr = self.spec.traffic  # the request that failed untiled fits once tiling is back
         st, _, _ = stack.generate(size=tr["sizes"][0], steps=int(tr.get("steps", 1)))
         r.checks["2048_fits_with_tiling"] = st == 200

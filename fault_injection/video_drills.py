@@ -121,12 +121,7 @@ class VideoVaeUntiled(Drill):
             stack.knobs(**knobs)
 
     def after(self, stack: LocalStack, r: DrillResult) -> None:
-        info = stack.info()
-        before, now = r.details.get("worker_rss_before"), info["worker"]["rss_bytes"]
-        r.details["worker_rss_after"] = now
-        r.checks["same_worker_no_restart"] = info["worker"]["pid"] == r.details.get("worker_pid_before")
-        within = self.criteria.rss_back_within
-        r.checks["memory_back_near_baseline"] = bool(before and now and abs(now - before) <= within * before)
+        self.check_same_worker_memory_back(stack, r)
         job = run_video(stack)
         r.checks["jobs_served_after_restore"] = job.get("status") == "succeeded"
         r.checks["job_counters_add_up_after"] = counters_add_up(job_counters(stack))
