@@ -81,6 +81,8 @@ class OffMenuResolution(Drill):
         rise = self.criteria.p99_rises_above
         r.checks["p99_rises"] = bool(before["p99"] and after["p99"] and after["p99"] > rise * before["p99"])
         r.checks["p50_flat"] = self._p50_flat(stack, r, r.details.pop("_t0", time.time()))
+        fired = [a for a in stack.prom.firing() if self.expected_alert_matches(a)]
+        r.details["culprit_shapes"] = sorted({a["labels"].get("shape", "") for a in fired})
 
     def _p50_flat(self, stack: LocalStack, r: DrillResult, t0: float, now: float | None = None) -> bool:
         """The baseline clients' median latency per size, during the off-menu batch vs the rate window before
@@ -99,8 +101,6 @@ class OffMenuResolution(Drill):
         rows = [(during[s][0], b[0]) for s, b in before.items() if s in during and b[1] >= 3 and during[s][1] >= 3]
         flat = self.criteria.p50_stays_below
         return bool(rows) and all(d < flat * b for d, b in rows)
-        fired = [a for a in stack.prom.firing() if self.expected_alert_matches(a)]
-        r.details["culprit_shapes"] = sorted({a["labels"].get("shape", "") for a in fired})
 
     def restore(self, stack: LocalStack, r: DrillResult) -> None:
         r.details.pop("_t0", None)  # the alert never fired: no p50 to judge

@@ -349,8 +349,8 @@ def test_recordings_name_the_runbooks_they_met(tmp_path: Path, monkeypatch: pyte
 
 
 def test_off_menu_p50_is_each_sizes_own_median_from_the_clients() -> None:
-    """A two-size mix whose histogram p50 would jump between the sizes' modes: per size, 1.1x is flat and 1.6x
-    is not, whatever the mix."""
+    """A two-size mix whose histogram p50 would jump between the sizes' modes: per size, 1.1x is flat and just
+    past the drill's bound is not, whatever the mix."""
     from types import SimpleNamespace
 
     from stepwatch.fault_injection.traffic import Traffic
@@ -366,7 +366,8 @@ def test_off_menu_p50_is_each_sizes_own_median_from_the_clients() -> None:
     r = DrillResult("off-menu-resolution", drill.expected)
     assert drill._p50_flat(stack, r, 110.5, now=215.0) is True
     assert r.details["baseline_p50_by_size"]["512x512"] == {"before": 1.0, "during": 1.1, "requests": [10, 10]}
-    t.latencies += [(210.0 + i / 10, 1.7, 200, "512x512") for i in range(30)]
+    past_bound = drill.criteria.p50_stays_below * 1.0 + 0.1  # 512x512's median before was 1.0 s
+    t.latencies += [(210.0 + i / 10, past_bound, 200, "512x512") for i in range(30)]
     assert drill._p50_flat(stack, r, 110.5, now=215.0) is False
 
 
