@@ -16,8 +16,16 @@ from typing import Any
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
 from stepwatch.fault_injection.drill import DrillResult
+from stepwatch.fault_injection.phases import Phases
 from stepwatch.fault_injection.recording import Recording, StackKey  # (ranks, compile backend or "", stream probe)
-from stepwatch.fault_injection.registry import ALL_DRILLS, DRILLS, FLEET_DRILL_NAMES, RIVAL_DRILLS, SEED_DRILLS
+from stepwatch.fault_injection.registry import (
+    ALL_DRILLS,
+    DEMO_DRILLS,
+    DRILLS,
+    FLEET_DRILL_NAMES,
+    RIVAL_DRILLS,
+    SEED_DRILLS,
+)
 from stepwatch.fault_injection.report import write_report
 from stepwatch.fault_injection.runner import Runner, Triage, calibrate_baselines
 from stepwatch.fault_injection.stack import LocalStack, StackUrls
@@ -25,11 +33,13 @@ from stepwatch.thresholds import Thresholds
 
 # Sequence parallelism on CPU: compile off (each rank would compile), warm-up of the traffic shapes only.
 MULTI_RANK_OVERRIDES: dict[str, Any] = {"compile": {"enabled": False}, "warmup": ["256x256", "512x512"]}
-GROUPS = {"all": ALL_DRILLS, "seeds": SEED_DRILLS, "rivals": RIVAL_DRILLS, "fleet": FLEET_DRILL_NAMES}
+GROUPS = {"all": ALL_DRILLS, "seeds": SEED_DRILLS, "rivals": RIVAL_DRILLS, "fleet": FLEET_DRILL_NAMES,
+          "demo": DEMO_DRILLS}
 
 
 def expand(names: list[str]) -> list[str]:
-    """Drill names with ``all``, ``seeds`` and ``rivals`` expanded, duplicates dropped; unknown: ValueError."""
+    """Drill names with the groups (``all``, ``seeds``, ``rivals``, ``fleet``, ``demo``) expanded, duplicates
+    dropped; unknown: ValueError."""
     out: list[str] = []
     for n in names:
         if n in GROUPS:
@@ -100,11 +110,14 @@ class Campaign:
     variant: int = 0  # which values of each fault (runbooks/drills.md variants): recordings vary them
     results: list[DrillResult] = field(default_factory=list)
     stacks: list[dict[str, Any]] = field(default_factory=list)
+    phases: Phases | None = None
 
     def run(self, names: list[str]) -> Path:
         """Every drill in ``names``; the path of the final report."""
         fleet = [n for n in names if DRILLS[n].fleet]
-        for key, group in sorted(by_stack([n for n in names if n not in fleet], self.compile_backend).items()):
+        groups = sorted(by_stack([n for n in names if n not in fleet], self.compile_backend).items())
+        self.phases = Phases.for_groups([(key[0], len(g)) for key, g in groups], len(fleet), self.progress)
+        for key, group in groups:
             self._run_group(key, group)
         if fleet:
             self._run_fleet(fleet)
@@ -116,6 +129,7 @@ class Campaign:
         where = f"stack-{ranks}rank" + ("-stream" if stream_probe else "")
         stack = make_stack(self.out / where, ranks, compile_backend=backend or None, attach=self.attach,
                            progress=self.progress, stream_probe=stream_probe)
+        self._phase(f"the local stack ({ranks} rank{'s' if ranks > 1 else ''}{', ' + backend if backend else ''})")
         self.progress(f"bringing up the local stack ({ranks} rank{'s' if ranks > 1 else ''}"
                       f"{', ' + backend if backend else ''}) for {', '.join(group)}")
         try:
@@ -127,6 +141,7 @@ class Campaign:
         try:
             runner = Runner(stack, self.th, self.progress, self.triage)
             runner.record = self.record
+            runner.before_drill = self._phase
             if self.record is None and not any(DRILLS[n].reads_baselines for n in group):
                 self.progress("no drill of this stack reads per-shape baselines: no calibration")
             else:
@@ -148,6 +163,7 @@ class Campaign:
         from stepwatch.fault_injection.fleet_drills import run_fleet_drills
 
         stack = FleetStack(self.out / "fleet", progress=self.progress)
+        self._phase("the practice fleet")
         self.progress(f"bringing up the practice fleet for {', '.join(group)}")
         try:
             stack.start()
@@ -161,13 +177,18 @@ class Campaign:
                     self.record.control(stack, self.progress, f"control-fleet-{self.record.suffix}",
                                         "steady traffic through the fleet's balancer")
             self.results += run_fleet_drills(stack, [DRILLS[n](self.th, variant=self.variant) for n in group],
-                                             self.progress, self.triage, record=self.record)
+                                             self.progress, self.triage, record=self.record,
+                                             before_drill=self._phase)
             self.stacks.append({"fleet": True, "balancer": stack.balancer_url, "evaluators": stack.evaluators,
                                 "alertmanagers": stack.alertmanagers, "workdir": str(stack.workdir)})
             write_report(self.out, self.results, self.th, stack=None, snapshots=False, progress=self.progress,
                          stacks=self.stacks)
         finally:
             stack.stop()
+
+    def _phase(self, what: str) -> None:
+        if self.phases is not None:
+            self.phases.begin(what)
 
     def _calibrate(self, stack: LocalStack, key: StackKey, runner: Runner) -> None:
         """Per-shape baselines from steady traffic (and, when recording, the controls' windows)."""

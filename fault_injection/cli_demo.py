@@ -3,9 +3,17 @@
 Brings up the local stack on loopback ports - the practice service (a real
 offline FLUX pipeline, instrumented, compiled, under a memory budget), the
 sidecar (quality prober), Prometheus with the drill-profile rules and
-Alertmanager routing to a webhook receiver - sends traffic, runs every fault
-drill of ``stepwatch drill all`` (one rank, one rank with the stream probe, two
-ranks, the fleet), and ends with the path of the drill report.
+Alertmanager routing to a webhook receiver - sends traffic, and runs four fault
+drills: the seeds' three (a cache threshold past the quality gate, off-menu
+resolutions, VAE tiling off at 2048x2048) and prompt-mix-shift, whose alert
+(CacheHitRateShift) the cache-threshold drill fires too: triage must name a
+different cause for each.  About 10 minutes on 2 CPU cores (torch.compile with
+the aot_eager backend; ``--compile-backend inductor`` compiles as production
+does and takes longer).  It ends with the paths of the report (markdown and
+JSON), the dashboard panels (PNG) and each drill's triage report.
+
+The full pre-launch campaign is ``stepwatch drill all``: 40 drills on the
+one-rank, stream-probe, two-rank and fleet stacks, about 70 minutes.
 
 ``--exporter-only`` runs the small in-process demo instead: the exporter on the
 practice pipeline at two shapes, /metrics served on loopback, a summary.
@@ -20,10 +28,12 @@ from stepwatch.service.config import ConfigError, parse_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drills", nargs="+", default=["all"], metavar="NAME",
-                   help="drills to run (default: all; 'seeds' for the seeds' three)")
-    p.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default=None,
-                   help="torch.compile backend of the practice service (default: inductor)")
+    p.add_argument("--drills", nargs="+", default=["demo"], metavar="NAME",
+                   help="drills to run (default: demo, the seeds' three and prompt-mix-shift, about 10 min; "
+                        "'all' for the full campaign, about 70 min)")
+    p.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default="aot_eager",
+                   help="torch.compile backend of the practice service (default: %(default)s; inductor compiles "
+                        "as production does, minutes longer on CPU)")
     p.add_argument("--out", default="reports", help="report directory (default: %(default)s)")
     p.add_argument("--exporter-only", action="store_true", help="the small in-process exporter demo instead")
     p.add_argument("--port", type=int, default=9464, help="loopback port for /metrics (0: any free port)")

@@ -513,13 +513,15 @@ FLEET_STEADY_S = 10.0
 
 
 def run_fleet_drills(stack: Any, drills: list[Drill], progress: Any = None, triage: Any = None,
-                     record: Any = None) -> list[DrillResult]:
+                     record: Any = None, before_drill: Any = None) -> list[DrillResult]:
     """The drills one after another on a running FleetStack, with the one-instance drills' runner and rules;
     ``record`` (a fault_injection.recording.Recording) records each as a triage scenario."""
     from stepwatch.fault_injection.runner import Runner
 
     runner = Runner(stack, progress=progress, triage=triage)
     runner.record = record
+    if before_drill is not None:
+        runner.before_drill = before_drill
     results = []
     for d in drills:
         if getattr(d, "reads_quality", False):

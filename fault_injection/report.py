@@ -130,12 +130,17 @@ def _drill_section(r: DrillResult, th: Thresholds) -> list[str]:
 
 
 def summary_table(results: list[DrillResult], report_path: Path) -> str:
-    """The terminal summary `stepwatch drill` ends with: one line per drill, then the report's path."""
-    lines = ["", f"{'drill':<22}{'result':<8}{'detect s':>9}{'webhook s':>11}  expected alert"]
+    """The terminal summary `stepwatch drill` ends with: one line per drill (with the cause triage named), then
+    where to look: the report (each drill's triage report is in it), its JSON twin and the dashboard panels."""
+    lines = ["", f"{'drill':<22}{'result':<8}{'detect s':>9}{'webhook s':>11}  {'expected alert':<28}triage cause"]
     for r in results:
         d = f"{r.time_to_detect_s:.1f}" if r.time_to_detect_s is not None else "-"
         w = f"{r.time_to_webhook_s:.1f}" if r.time_to_webhook_s is not None else "-"
-        lines.append(f"{r.name:<22}{'PASS' if r.passed else 'FAIL':<8}{d:>9}{w:>11}  {r.expected_alert}"
-                     + (f"   <- {'; '.join(r.failures)}" if r.failures else ""))
-    lines += ["", f"report: {report_path}"]
+        lines.append(f"{r.name:<22}{'PASS' if r.passed else 'FAIL':<8}{d:>9}{w:>11}  {r.expected_alert:<28}"
+                     f"{r.triage_cause or '-'}" + (f"   <- {'; '.join(r.failures)}" if r.failures else ""))
+    panels = sorted(report_path.parent.glob("*/*.png"))
+    lines += ["", f"report: {report_path} (with each drill's triage report)",
+              f"json:   {report_path.with_suffix('.json')}"]
+    if panels:
+        lines.append(f"panels: {len(panels)} PNG under {report_path.parent}/<drill>/")
     return "\n".join(lines)

@@ -78,6 +78,7 @@ class Runner:
         # The calibrated per-shape baselines, published again before each drill: a drill that restarted the
         # worker (killed, frozen past the restart) took them with it, and the next drill's alerts need them.
         self.baselines: dict[str, Any] = {}
+        self.before_drill: Callable[[str], None] = lambda name: None  # a campaign's phase line (phases.py)
 
     def _record(self, drill: Drill, r: DrillResult, record: Recording) -> None:
         if r.time_to_detect_s is None:
@@ -129,6 +130,7 @@ class Runner:
 
     def run(self, drill: Drill, steady_s: float | None = None) -> DrillResult:
         r = DrillResult(drill.name, drill.expected, expected_cause=drill.cause)
+        self.before_drill(drill.name)
         self.progress(f"[{drill.name}] {drill.description}")
         if not self.stack.healthy():
             r.service_survived = False
