@@ -33,7 +33,7 @@ from stepwatch.exporter import instrument
 from stepwatch.exporter.memory import is_oom
 from stepwatch.exporter.ranks import RankReporter
 from stepwatch.exposition import serve_metrics
-from stepwatch.procs import malloc_trim
+from stepwatch.procs import limit_arenas, malloc_trim
 from stepwatch.service import knobs as knob_rules
 from stepwatch.service.api import GenerationRequest
 from stepwatch.service.cache import apply_cache, current
@@ -390,6 +390,7 @@ def configure_process(rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s")
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    limit_arenas()
 
 
 def start(w: Worker) -> ReadyMsg | None:

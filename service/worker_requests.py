@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from stepwatch.exporter.memory import is_oom
-from stepwatch.procs import malloc_trim
+from stepwatch.procs import large_blocks_returned_when_freed, malloc_trim
 from stepwatch.service.api import GenerationRequest
 from stepwatch.service.config import ServiceConfig
 from stepwatch.service.messages import ErrorMsg, GenerateMsg, ResultMsg, internal_message
@@ -88,7 +88,11 @@ class Requests:
         failure: tuple[bool, str] | None = None
         cancelled = False
         try:
-            out = self._run_video(req, msg["id"]) if req.is_video else self._run(req)
+            if req.is_video:
+                with large_blocks_returned_when_freed():
+                    out = self._run_video(req, msg["id"])
+            else:
+                out = self._run(req)
         except JobCancelled:
             cancelled = True
         except Exception as exc:

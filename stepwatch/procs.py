@@ -33,6 +33,13 @@ MMAP_THRESHOLD_BYTES = 1 << 20  # blocks from 1 MiB up get mappings of their own
 ARENA_MAX = 2
 
 
+def _mallopt(param: int, value: int) -> bool:
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(param, value))
+    except (OSError, AttributeError):
+        return False
+
+
 def keep_address_space_returnable() -> bool:
     """Make freed memory give its address space back: the HTTP process calls it at start-up.
 
@@ -41,17 +48,42 @@ def keep_address_space_returnable() -> bool:
     process once freed.  The HTTP process queues chunks of hundreds of KB for slow stream clients: a fixed
     threshold (which also turns the raising off) keeps every block of a MiB and more in a mapping of its own,
     returned when freed, and two arenas bound what its threads reserve (64 MiB of address space each).
-    The worker does not call it: there the same settings stop a large video job from leaving later ones out of
-    memory under RLIMIT_AS, but every tensor of a MiB or more then costs a fresh mapping, and an image at
-    512x512 x 8 steps took 1.55-1.77x as long on CPU (16 MiB does not stop the creep).  True when glibc took
-    both settings; elsewhere nothing changes.
+    The worker sets the threshold around each video job only (``large_blocks_returned_when_freed``): for its
+    images every tensor of a MiB or more would cost a fresh mapping.  True when glibc took both settings;
+    elsewhere nothing changes.
     """
+    return _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and _mallopt(M_ARENA_MAX, ARENA_MAX)
+
+
+def limit_arenas() -> bool:
+    """At most ``ARENA_MAX`` malloc arenas in this process: each worker process calls it as it starts.
+
+    glibc gives a thread that finds the arenas busy one of its own, up to 8 per core, and each reserves 64 MiB
+    of address space it keeps.  The worker's threads (torch's, a streaming session's, the exporter's) would
+    take a new one each, and the worker's memory budget is its address space (RLIMIT_AS).  True when glibc
+    took the setting."""
+    return _mallopt(M_ARENA_MAX, ARENA_MAX)
+
+
+MMAP_THRESHOLD_CEILING_BYTES = 32 << 20  # where glibc's dynamic threshold stops rising on 64-bit
+
+
+@contextmanager
+def large_blocks_returned_when_freed() -> Iterator[None]:
+    """Inside: every block of a MiB or more gets a mapping of its own, unmapped when freed.  The worker runs
+    each video job in it.
+
+    A video job's tensors of 1-32 MiB otherwise come from the heap and arenas once the dynamic threshold has
+    risen, and their address space stays with the process: under the worker's RLIMIT_AS budget one large job
+    then leaves every later job out of memory.  Outside, the threshold sits at glibc's own ceiling (setting it
+    turns the rising off): an image's per-step tensors reuse the heap, as they would once the threshold had
+    risen (a 1 MiB threshold for images made a 512x512 x 8-step image 1.55-1.77x slower on CPU).
+    """
+    _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(libc.mallopt(M_ARENA_MAX,
-                                                                                                  ARENA_MAX))
-    except (OSError, AttributeError):
-        return False
+        yield
+    finally:
+        _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_CEILING_BYTES)
 
 
 def malloc_trim() -> None:
