@@ -152,10 +152,10 @@ def _video_job(c: Any, url: str, body: dict[str, Any]) -> tuple[float, float]:
     r = c.post(url + "/v1/videos", json=body)
     r.raise_for_status()
     job = r.json()
-    while job["status"] in ("queued", "running"):
+    while job["status"] in ("queued", "in_progress"):
         time.sleep(POLL_S)
         job = c.get(f"{url}/v1/videos/{job['id']}").json()
-    if job["status"] != "succeeded":
+    if job["status"] != "completed":
         raise RuntimeError(f"video job {job['id']} {job['status']}: {job.get('error')}")
     c.get(f"{url}/v1/videos/{job['id']}/content").raise_for_status()
     return time.perf_counter() - t, float(job["stepwatch"]["seconds"])

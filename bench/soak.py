@@ -100,7 +100,7 @@ class Tally:
     requests: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)  # "<kind> <status>": admission refusals, bad input
     failures: Counter[str] = field(default_factory=Counter)
-    outcomes: Counter[str] = field(default_factory=Counter)  # "video succeeded", "stream done": the mix that ran
+    outcomes: Counter[str] = field(default_factory=Counter)  # "video completed", "stream done": the mix that ran
     examples: list[str] = field(default_factory=list)  # the first few failures, to say what went wrong
     client_errors: list[str] = field(default_factory=list)  # this tool's own bugs: not the service's failures
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -217,8 +217,8 @@ def video_job(c: httpx.Client, tally: Tally, stop: threading.Event, size: str, f
         return
     job = r.json()
     cancelled, give_up = False, time.monotonic() + DRAIN_TIMEOUT_S
-    while job["status"] in ("queued", "running"):
-        if not cancelled and (stop.is_set() or (cancel and job["status"] == "running" and job["step"] >= 1)):
+    while job["status"] in ("queued", "in_progress"):
+        if not cancelled and (stop.is_set() or (cancel and job["status"] == "in_progress" and job["step"] >= 1)):
             c.delete(f"/v1/videos/{job['id']}")  # any answer is fine: cancelled, cancel_requested, 409 decoding
             cancelled = True
         if stop.is_set() and time.monotonic() > give_up:

@@ -23,7 +23,7 @@ from stepwatch.fault_injection.rivals import WorkerKilled
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.fault_injection.traffic import ClientLoop, _http
 
-DONE = ("succeeded", "failed", "cancelled")
+DONE = ("completed", "failed", "cancelled")  # the API's statuses (the metrics say succeeded)
 JOB_TIMEOUT_S = 300.0
 
 
@@ -106,7 +106,7 @@ class VideoVaeUntiled(Drill):
         then = tr.get("then", {})
         nxt = run_video(stack, **dict(then.get("video") or {}))
         r.details["next_job"] = {k: nxt.get(k) for k in ("id", "status", "frames", "size")}
-        r.checks["next_job_succeeds"] = nxt.get("status") == then.get("expect_status", "succeeded")
+        r.checks["next_job_succeeds"] = nxt.get("status") == then.get("expect_status", "completed")
 
     def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
         c = job_counters(stack)
@@ -123,7 +123,7 @@ class VideoVaeUntiled(Drill):
     def after(self, stack: LocalStack, r: DrillResult) -> None:
         self.check_same_worker_memory_back(stack, r)
         job = run_video(stack)
-        r.checks["jobs_served_after_restore"] = job.get("status") == "succeeded"
+        r.checks["jobs_served_after_restore"] = job.get("status") == "completed"
         r.checks["job_counters_add_up_after"] = counters_add_up(job_counters(stack))
 
 
@@ -158,7 +158,7 @@ class CacheOnDistilled(Drill):
         if loop is not None:
             loop.stop()
             r.details["video_job_statuses"] = dict(loop.outcomes)
-            r.checks["video_jobs_succeed_meanwhile"] = set(loop.outcomes) == {"succeeded"}
+            r.checks["video_jobs_succeed_meanwhile"] = set(loop.outcomes) == {"completed"}
             if loop.errors:
                 r.notes.append(f"video job client errors: {loop.errors[:3]}")
         knobs = self.restore_knobs(r.details.get("serving_knobs", {}))
@@ -205,14 +205,14 @@ class VideoWorkerKilled(WorkerKilled):
     def after(self, stack: LocalStack, r: DrillResult) -> None:
         self._wait_ready(stack, int(r.details.get("killed_pid", 0)))
         job = run_video(stack)
-        r.checks["jobs_served_after_restart"] = job.get("status") == "succeeded"
+        r.checks["jobs_served_after_restart"] = job.get("status") == "completed"
         r.checks["job_counters_add_up_after"] = counters_add_up(job_counters(stack))
 
 
 def _mid_job(job: dict[str, Any]) -> bool:
     """Past its first step and short of its last: killed then, it dies mid-job.  (Killed as soon as it read
-    "running", a short job had finished its last step before the signal landed, and succeeded.)"""
-    return job.get("status") == "running" and 1 <= int(job.get("step") or 0) < int(job.get("steps") or 0) - 1
+    "in_progress", a short job had finished its last step before the signal landed, and completed.)"""
+    return job.get("status") == "in_progress" and 1 <= int(job.get("step") or 0) < int(job.get("steps") or 0) - 1
 
 
 VIDEO_DRILLS: tuple[type[Drill], ...] = (VideoVaeUntiled, CacheOnDistilled, VideoWorkerKilled)

@@ -134,6 +134,22 @@ def _seed(body: dict[str, Any]) -> int:
     return random.randrange(2**32) if seed is None else int_field(body, "seed", 0, 0, 2**32 - 1)
 
 
+def _frames_of_seconds(body: dict[str, Any], fps: int, max_frames: int) -> int:
+    """OpenAI's ``seconds`` (a string, "4"): the 4k+1 frames nearest that long at the service's fps."""
+    if body.get("frames") is not None:
+        raise _bad("give 'frames' or 'seconds', not both", "seconds", "conflicting_fields")
+    raw = body["seconds"]
+    try:
+        seconds = float(raw) if isinstance(raw, (str, int, float)) and not isinstance(raw, bool) else float("nan")
+    except ValueError:
+        seconds = float("nan")
+    longest = (max_frames - 1) / fps
+    if not 0 < seconds <= longest + 1e-9:
+        raise _bad(f"'seconds' must be a number of seconds up to {longest:g} ({max_frames} frames at {fps} fps), "
+                   f"got {str(raw)[:40]!r}", "seconds")
+    return max(5, 4 * round(seconds * fps / 4) + 1)
+
+
 def validate(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
     prompt = prompt_field(body)
     n = int_field(body, "n", 1, 1, cfg.max_n)
@@ -172,18 +188,20 @@ def size_choice(body: dict[str, Any], sizes: tuple[str, ...] | list[str], defaul
     return size.lower()
 
 
-VIDEO_FIELDS = ("prompt", "size", "frames", "steps", "guidance_scale", "seed", "model")
+VIDEO_FIELDS = ("prompt", "size", "frames", "seconds", "steps", "guidance_scale", "seed", "model")
 
 
 def validate_video(body: dict[str, Any], cfg: ServiceConfig) -> GenerationRequest:
-    """A ``POST /v1/videos`` body: prompt, size (one of the video sizes), frames (4k+1, up to the limit),
-    steps, guidance_scale, seed.  An unknown field is refused (a typo would silently change the video)."""
+    """A ``POST /v1/videos`` body: prompt, size (one of the video sizes), frames (4k+1, up to the limit) or
+    OpenAI's seconds, steps, guidance_scale, seed; model is accepted and not used (one video model).  An
+    unknown field is refused (a typo would silently change the video)."""
     v = cfg.video
     refuse_unknown(body, VIDEO_FIELDS, "a video job")
     prompt = prompt_field(body)
     size = size_choice(body, v.sizes, v.default_size, "a video size")
     width, height = (int(x) for x in size.split("x"))
-    frames = int_field(body, "frames", v.default_frames, 1, 100_000)
+    frames = _frames_of_seconds(body, v.fps, v.max_frames) if body.get("seconds") is not None else int_field(
+        body, "frames", v.default_frames, 1, 100_000)
     if (frames - 1) % 4:
         raise _bad(f"'frames' must be 4k+1 (1, 5, 9, ..., {v.max_frames}), got {frames}: the VAE compresses time "
                    "4x after the first frame", "frames", "invalid_frames")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import signal
 import socket
@@ -51,12 +50,21 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stepwatch.exposition import CONTENT_TYPE
-from stepwatch.service import api
+from stepwatch.service import api, app_videos
 from stepwatch.service.engine import Admission, Answer, Service
+from stepwatch.service.http import (
+    ERRORS,
+    AsciiJSON,
+    ClientGone,
+    error_response,
+    in_thread,
+    internal_error,
+    read_body,
+    service_of,
+)
 from stepwatch.service.messages import Reply
 from stepwatch.service.sessions import SessionManager, StreamSession
 from stepwatch.service.stall import restart_due
@@ -91,78 +99,10 @@ class ImagesResponse(BaseModel):
     stepwatch: dict[str, Any] = Field(description="shape, pool, queue and stage seconds, cache hits, fingerprint")
 
 
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody, "description": text} for code, text in (
-        (400, "bad input; ``param`` names the field"), (404, "no such path, or no such video job"),
-        (409, "the video job has no video (yet): its status is in the message"),
-        (411, "no Content-Length"), (413, "body too large"),
-        (429, "the pool is overloaded (Retry-After)"), (503, "warming up or the worker died (Retry-After)"),
-        (504, "generation timed out"), (507, "out of memory: the stage, the shape and the fix"))}
 IMAGES_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": ImagesRequest.model_json_schema()}}}}
 
 router = APIRouter()
-
-
-class AsciiJSON(JSONResponse):
-    """JSON escaped to ASCII, as ``json.dumps`` writes it: a lone surrogate a client sent (a knob's name, say)
-    comes back as ``\\ud800`` in a 400, where Starlette's UTF-8 rendering would fail with a 500."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, separators=(",", ":"), allow_nan=False).encode("ascii")
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer (counted as 499, nginx's convention)."""
-
-
-def _error(e: api.ApiError) -> JSONResponse:
-    return AsciiJSON(e.body(), e.status, {**e.headers, "Connection": "close"})
-
-
-def _internal(e: Exception) -> api.ApiError:
-    return api.ApiError(500, f"internal error: {type(e).__name__}", None, "internal_error", "server_error")
-
-
-def _service(request: Request) -> Service:
-    svc: Service = request.app.state.service
-    return svc
-
-
-async def _in_thread(request: Request, fn: Callable[..., T], *args: Any) -> T:
-    """Run a blocking Service call on a worker thread of the service's limiter."""
-    return await anyio.to_thread.run_sync(partial(fn, *args), limiter=request.app.state.limiter)
-
-
-async def _read_body(request: Request) -> bytes:
-    """The body, checked: 411 without a Content-Length, 413 past the limit (unread), 408 if it stalls."""
-    length = request.headers.get("content-length")
-    if length is None or not (length.isascii() and length.isdigit()):
-        raise api.ApiError(411, "Content-Length is required", None, "length_required")
-    n = int(length)
-    if n > api.MAX_BODY_BYTES:
-        raise api.ApiError(413, f"request body is {n} bytes; the limit is {api.MAX_BODY_BYTES}", None,
-                           "body_too_large")
-    timeout: float = request.app.state.client_timeout
-    try:
-        with anyio.fail_after(timeout):
-            return await request.body()
-    except TimeoutError:
-        raise api.ApiError(408, f"the request body did not arrive within {timeout:g}s", None,
-                           "request_timeout") from None
-    except ClientDisconnect:
-        raise ClientGone from None
 
 
 async def _disconnected(request: Request) -> None:
@@ -192,103 +132,33 @@ async def _wait(request: Request, svc: Service, adm: Admission) -> Reply:
 
 
 async def _generate(request: Request, svc: Service, body: dict[str, Any]) -> Answer:
-    adm = await _in_thread(request, svc.admit, body)  # validation and the queue's lock: a thread, briefly
+    adm = await in_thread(request, svc.admit, body)  # validation and the queue's lock: a thread, briefly
     reply = await _wait(request, svc, adm)
-    return await _in_thread(request, svc.finish, adm, reply)  # base64 of the images: a thread
+    return await in_thread(request, svc.finish, adm, reply)  # base64 of the images: a thread
 
 
 @router.post("/v1/images/generations", response_model=ImagesResponse, responses=ERRORS, openapi_extra=IMAGES_BODY)
 async def generations(request: Request) -> Response:
     """Generate images; counted in the service's request metrics whatever the outcome."""
-    svc = _service(request)
+    svc = service_of(request)
     t0 = time.monotonic()
     pool, status = "other", 500
     try:
-        body = api.parse_json(await _read_body(request))
+        body = api.parse_json(await read_body(request))
         pool = svc.pool_of(body)
         status, answer, headers = await _generate(request, svc, body)
         response: Response = AsciiJSON(answer, status, headers)
     except ClientGone:
         status, response = 499, Response(status_code=499)  # nobody to answer
     except api.ApiError as e:
-        status, response = e.status, _error(e)
+        status, response = e.status, error_response(e)
     except Exception as e:  # never take the instance down for one request
         log.exception("unexpected error serving a request")
-        status, response = 500, _error(_internal(e))
+        status, response = 500, error_response(internal_error(e))
     if await request.is_disconnected():
         status = 499  # the client went away before the answer
     svc.count(pool, status, t0)
     return response
-
-
-class VideosRequest(BaseModel):
-    """``POST /v1/videos``: a job is queued and answered at once (202) with its id."""
-
-    prompt: str = Field(min_length=1, max_length=api.MAX_PROMPT_CHARS)
-    size: str | None = Field(None, description="one of the service's video sizes (GET /v1/stepwatch/info)")
-    frames: int | None = Field(None, description="4k+1 frames (5, 9, ..., up to video.max_frames)")
-    steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = Field(None, ge=0.0, le=30.0, description="> 1 runs CFG (default: none)")
-    seed: int | None = Field(None, ge=0, le=2**32 - 1)
-
-
-VIDEOS_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": VideosRequest.model_json_schema()}}}}
-VIDEO_POOL = "video"
-
-
-@router.post("/v1/videos", status_code=202, responses=ERRORS, openapi_extra=VIDEOS_BODY)
-async def create_video(request: Request) -> Response:
-    """Queue a video job; the answer (202, at once) is the job with its id: poll GET /v1/videos/{id}."""
-    svc = _service(request)
-    t0 = time.monotonic()
-    try:
-        body = api.parse_json(await _read_body(request))
-        job = await _in_thread(request, svc.submit_video, body)
-        response: Response = AsciiJSON(job, 202, {"Location": f"/v1/videos/{job['id']}"})
-        status = 202
-    except ClientGone:
-        status, response = 499, Response(status_code=499)
-    except api.ApiError as e:
-        status, response = e.status, _error(e)
-    except Exception as e:  # never take the instance down for one request
-        log.exception("unexpected error creating a video job")
-        status, response = 500, _error(_internal(e))
-    svc.count(VIDEO_POOL, status, t0)
-    return response
-
-
-async def _video_call(request: Request, fn: Callable[..., Any], *args: Any) -> Response:
-    try:
-        out = await _in_thread(request, fn, *args)
-    except api.ApiError as e:
-        return _error(e)
-    except Exception as e:
-        log.exception("video job request failed")
-        return _error(_internal(e))
-    if isinstance(out, tuple):
-        content, media = out
-        return Response(content, media_type=media, headers={"Content-Disposition": f'inline; filename="{args[0]}.mp4"'})
-    return AsciiJSON(out)
-
-
-@router.get("/v1/videos/{job_id}", responses=ERRORS)
-async def get_video(request: Request, job_id: str) -> Response:
-    """The job: status (queued, running, succeeded, failed, cancelled), step k of n, errors, timings."""
-    return await _video_call(request, _service(request).video, job_id)
-
-
-@router.get("/v1/videos/{job_id}/content", responses=ERRORS)
-async def get_video_content(request: Request, job_id: str) -> Response:
-    """The finished job's video (MP4, H.264); 409 while it has none."""
-    return await _video_call(request, _service(request).video_content, job_id)
-
-
-@router.delete("/v1/videos/{job_id}", responses=ERRORS)
-async def cancel_video(request: Request, job_id: str) -> Response:
-    """Cancel a job in flight, answered at once: queued, it never runs; denoising, it stops after its current step
-    (``cancel_requested`` until then); decoding, 409 ``not_cancellable``."""
-    return await _video_call(request, _service(request).cancel_video, job_id)
 
 
 class SessionRequest(BaseModel):
@@ -306,7 +176,7 @@ SESSION_BODY = {"requestBody": {"required": True, "content": {
 
 
 def _sessions(request: Request) -> SessionManager:
-    svc = _service(request)
+    svc = service_of(request)
     if svc.sessions is None:
         raise api.ApiError(404, "streaming sessions are off on this service (stream.enabled)", None, "not_found")
     if not svc.ready:
@@ -320,14 +190,14 @@ async def open_session(request: Request) -> Response:
     The session stops when its client goes away or stops reading (the idle timeout)."""
     try:
         manager = _sessions(request)
-        sess = await manager.open(api.parse_json(await _read_body(request)))
+        sess = await manager.open(api.parse_json(await read_body(request)))
     except ClientGone:
         return Response(status_code=499)
     except api.ApiError as e:
-        return _error(e)
+        return error_response(e)
     except Exception as e:  # never take the instance down for one session
         log.exception("unexpected error opening a session")
-        return _error(_internal(e))
+        return error_response(internal_error(e))
     return StreamingResponse(_session_events(manager, sess), media_type="text/event-stream",
                              headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
@@ -352,15 +222,15 @@ async def _session_call(request: Request, what: str, call: Callable[[SessionMana
     try:
         manager = _sessions(request)
         if with_body:
-            args = (*args, api.parse_json(await _read_body(request)))
+            args = (*args, api.parse_json(await read_body(request)))
         return AsciiJSON(await anyio.to_thread.run_sync(partial(call(manager), *args)))
     except ClientGone:
         return Response(status_code=499)
     except api.ApiError as e:
-        return _error(e)
+        return error_response(e)
     except Exception as e:
         log.exception("session %s failed", what)
-        return _error(_internal(e))
+        return error_response(internal_error(e))
 
 
 @router.post("/v1/stream/sessions/{session_id}/prompt", responses=ERRORS)
@@ -378,19 +248,19 @@ async def close_session(request: Request, session_id: str) -> Response:
 @router.post("/admin/knobs", responses=ERRORS)
 async def admin_knobs(request: Request) -> Response:
     """Change runtime knobs (cache, threshold, VAE tiling, compile, baselines, rank delays)."""
-    svc = _service(request)
+    svc = service_of(request)
     try:
         _check_admin(svc, request)
-        knobs = api.parse_json(await _read_body(request))
+        knobs = api.parse_json(await read_body(request))
         # The default threads (with /info), not the generation limiter: a knob change waits on the worker.
         return AsciiJSON(await anyio.to_thread.run_sync(svc.set_knobs, knobs))
     except ClientGone:
         return Response(status_code=499)
     except api.ApiError as e:
-        return _error(e)
+        return error_response(e)
     except Exception as e:
         log.exception("admin request failed")
-        return _error(_internal(e))
+        return error_response(internal_error(e))
 
 
 def _check_admin(svc: Service, request: Request) -> None:
@@ -407,7 +277,7 @@ def _check_admin(svc: Service, request: Request) -> None:
 @router.get("/healthz")
 async def healthz(request: Request) -> JSONResponse:
     """Alive unless the worker is hung past the restart point (the service is restarting it then)."""
-    svc = _service(request)
+    svc = service_of(request)
     busy = svc.inflight.busy()
     if restart_due(busy, svc.stall):
         return AsciiJSON({"status": "stalled", "worker_up": svc.worker.alive(),
@@ -418,7 +288,7 @@ async def healthz(request: Request) -> JSONResponse:
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
     """Ready once warmed up, and not while the worker is stalled on a generation (StepwatchWorkerStalled)."""
-    svc = _service(request)
+    svc = service_of(request)
     stalled = svc.stalled_seconds()
     ready = svc.ready and not stalled
     body: dict[str, Any] = {"ready": ready}
@@ -430,14 +300,14 @@ async def readyz(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     # On threads of its own (it asks the worker's exporter over HTTP): never behind /info or generations.
-    text = await anyio.to_thread.run_sync(_service(request).metrics_text, limiter=request.app.state.metrics_limiter)
+    text = await anyio.to_thread.run_sync(service_of(request).metrics_text, limiter=request.app.state.metrics_limiter)
     return Response(text, media_type=CONTENT_TYPE)
 
 
 @router.get("/v1/stepwatch/info")
 def info(request: Request) -> dict[str, Any]:
     # A plain def: FastAPI runs it on a thread, since it asks the worker.
-    return _service(request).info()
+    return service_of(request).info()
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -445,12 +315,12 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     path = request.url.path
     if exc.status_code == 404:
-        return _error(api.ApiError(404, f"no such path {path}", None, "not_found"))
+        return error_response(api.ApiError(404, f"no such path {path}", None, "not_found"))
     if exc.status_code == 405:
         allow = (exc.headers or {}).get("Allow", "")
-        return _error(api.ApiError(405, f"use {allow} for {path}", None, "method_not_allowed",
+        return error_response(api.ApiError(405, f"use {allow} for {path}", None, "method_not_allowed",
                                    headers={"Allow": allow}))
-    return _error(api.ApiError(exc.status_code, str(exc.detail), None, "http_error"))
+    return error_response(api.ApiError(exc.status_code, str(exc.detail), None, "http_error"))
 
 
 def create_app(svc: Service, client_timeout: float = CLIENT_TIMEOUT) -> FastAPI:
@@ -462,6 +332,7 @@ def create_app(svc: Service, client_timeout: float = CLIENT_TIMEOUT) -> FastAPI:
     app.state.limiter = anyio.CapacityLimiter(64)  # generations' brief calls: admission, answers
     app.state.metrics_limiter = anyio.CapacityLimiter(4)
     app.include_router(router)
+    app.include_router(app_videos.router)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     return app
 

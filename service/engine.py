@@ -34,7 +34,7 @@ from stepwatch.metrics import ServiceMetrics
 from stepwatch.service import api, knobs
 from stepwatch.service.config import PoolConfig, ServiceConfig, parse_size
 from stepwatch.service.fingerprint import fingerprint_id
-from stepwatch.service.jobs import Job, VideoJobs
+from stepwatch.service.jobs import Job, VideoJobs, model_name
 from stepwatch.service.messages import ProgressMsg, ReadyMsg, Reply, ResultMsg
 from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Scheduler, Ticket
 from stepwatch.service.sessions import SessionManager
@@ -457,13 +457,23 @@ class Service:
         req = api.validate_video(body, self.cfg)
         jobs.reserve()
         job = jobs.submit(req, self._enqueue_video)
-        return job.view(time.monotonic())
+        return self._view(job)
+
+    def _view(self, job: Job) -> dict[str, Any]:
+        return job.view(time.monotonic(), model_name(self.cfg.video.model), self.cfg.video.fps)
+
+    def list_videos(self, limit: int, after: str | None, order: str) -> dict[str, Any]:
+        """``GET /v1/videos``: the jobs remembered, a page at a time (OpenAI's list with its cursor)."""
+        page, more = self._jobs().page(limit, after, order)
+        data = [self._view(j) for j in page]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": more}
 
     def _enqueue_video(self, req: api.GenerationRequest, on_start: Any, call_id: str) -> Ticket:
         return self._admit(req, self.cfg.video_pool().name, on_start=on_start, call_id=call_id)
 
     def video(self, job_id: str) -> dict[str, Any]:
-        return self._jobs().get(job_id).view(time.monotonic())
+        return self._view(self._jobs().get(job_id))
 
     def video_content(self, job_id: str) -> tuple[bytes, str]:
         """The finished job's video; 409 while it is not (yet) there, naming its status."""
@@ -474,11 +484,17 @@ class Service:
         return job.content, job.content_type
 
     def cancel_video(self, job_id: str) -> dict[str, Any]:
-        """Cancel a job in flight and answer at once: a queued job is cancelled, a denoising one says
-        ``cancel_requested`` until it stops after its step (poll it), a decoding one is a 409."""
-        job = self._jobs().cancel(job_id, self.scheduler.remove)
+        """``DELETE``, answered at once: a job in flight is cancelled (a queued one at once, a denoising one
+        says ``cancel_requested`` until it stops after its step: poll it; a decoding one is a 409); a finished
+        one is deleted with its video, as OpenAI's delete does."""
+        jobs = self._jobs()
+        job = jobs.get(job_id)
+        if job.done:
+            jobs.delete(job_id)
+            return {"id": job_id, "object": "video.deleted", "deleted": True}
+        job = jobs.cancel(job_id, self.scheduler.remove)
         self._update_gauges()
-        return job.view(time.monotonic())
+        return self._view(job)
 
     def _cancel_running(self, seq: int) -> None:
         cancel = getattr(self.worker, "cancel", None)

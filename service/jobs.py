@@ -27,9 +27,21 @@ from stepwatch.service.config import ServiceConfig
 from stepwatch.service.messages import ProgressMsg, Reply, ResultMsg
 from stepwatch.service.queue import Ticket
 
-QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
+# OpenAI's video statuses (its client polls until completed or failed), and cancelled, which OpenAI's jobs
+# do not have (its client's poll returns on a status it does not know).
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
 OUTCOMES = (SUCCEEDED, FAILED, CANCELLED)
 IN_FLIGHT = (QUEUED, RUNNING)
+# The metrics keep their own words (outcome succeeded|failed|cancelled, state queued|running): the rules,
+# dashboards and runbooks read them, and they do not follow one API's spelling.
+METRIC_WORD = {QUEUED: "queued", RUNNING: "running", SUCCEEDED: "succeeded", FAILED: "failed",
+               CANCELLED: "cancelled"}
+PRACTICE_MODEL = "stepwatch-practice-wan"  # the tiny offline Wan pipeline's name in the API
+
+
+def model_name(model_dir: str | None) -> str:
+    """The video model as the API names it: the model directory's last part (never the server's path)."""
+    return PRACTICE_MODEL if model_dir is None else model_dir.rstrip("/").rsplit("/", 1)[-1]
 
 
 @dataclass
@@ -58,15 +70,16 @@ class Job:
     def done(self) -> bool:
         return self.status in OUTCOMES
 
-    def view(self, now: float) -> dict[str, Any]:
+    def view(self, now: float, model: str = PRACTICE_MODEL, fps: int = 16) -> dict[str, Any]:
         """The job as ``GET /v1/videos/{id}`` answers it (OpenAI's video object, plus step k of n)."""
         steps = self.req.steps
         queued = (self.started or (self.finished if self.finished else now)) - self.created
         out: dict[str, Any] = {
-            "id": self.id, "object": "video", "status": self.status,
+            "id": self.id, "object": "video", "status": self.status, "model": model, "prompt": self.req.prompt,
             "progress": 100 if self.status == SUCCEEDED else int(100 * self.step / max(1, steps)),
             "step": self.step, "steps": steps, "created_at": int(self.created_unix),
             "completed_at": int(self.finished_unix) if self.finished_unix else None,
+            "seconds": f"{self.req.frames / fps:.3g}",
             "size": self.req.size, "frames": self.req.frames, "seed": self.req.seed,
             "guidance_scale": self.req.guidance_scale, "error": self.error,
             "stepwatch": {"shape": self.req.shape, "pool": self.pool, "queue_seconds": round(max(0.0, queued), 4),
@@ -102,7 +115,7 @@ class VideoJobs:
         p = self.pool
         self.m.video_jobs_created_total.labels(pool=p)
         for o in OUTCOMES:
-            self.m.video_jobs_finished_total.labels(pool=p, outcome=o)
+            self.m.video_jobs_finished_total.labels(pool=p, outcome=METRIC_WORD[o])
         self.m.video_frames_total.labels(pool=p)
         # At 0 from the start, so the first job is an increase rate() sees (a histogram born at 1 is not).
         self.m.video_job_duration_seconds.labels(pool=p)
@@ -219,7 +232,7 @@ class VideoJobs:
             job.step = job.req.steps if status == SUCCEEDED else job.step
             job.ticket = None  # its future (and the reply's bytes) go with it
             self._by_call.pop(self.call_id(job), None)
-        self.m.video_jobs_finished_total.labels(pool=self.pool, outcome=status).inc()
+        self.m.video_jobs_finished_total.labels(pool=self.pool, outcome=METRIC_WORD[status]).inc()
         self.update_gauges()
 
     def cancel(self, job_id: str, remove: Callable[[Ticket], bool]) -> Job:
@@ -243,6 +256,25 @@ class VideoJobs:
             self._cancel_running(job.seq)
         return job
 
+    def delete(self, job_id: str) -> None:
+        """Forget a finished job and its video (a job in flight is cancelled, not deleted)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is not None and job.done:
+                del self._jobs[job_id]
+
+    def page(self, limit: int, after: str | None, order: str) -> tuple[list[Job], bool]:
+        """Up to ``limit`` jobs in creation order (``asc``) or newest first (``desc``), after the job ``after``;
+        and whether more follow."""
+        with self._lock:
+            jobs = sorted(self._jobs.values(), key=lambda j: j.seq, reverse=order == "desc")
+            if after is not None:
+                cut = self._jobs.get(after)
+                if cut is None:
+                    raise ApiError(404, f"no video job {after!r} to list after", "after", "not_found")
+                jobs = [j for j in jobs if (j.seq < cut.seq if order == "desc" else j.seq > cut.seq)]
+        return jobs[:limit], len(jobs) > limit
+
     def get(self, job_id: str) -> Job:
         with self._lock:
             job = self._jobs.get(job_id)
@@ -257,7 +289,8 @@ class VideoJobs:
         with self._lock:
             live = [j for j in self._jobs.values() if not j.done]
         for state in IN_FLIGHT:
-            self.m.video_jobs_depth.labels(pool=self.pool, state=state).set(sum(1 for j in live if j.status == state))
+            self.m.video_jobs_depth.labels(pool=self.pool, state=METRIC_WORD[state]).set(
+                sum(1 for j in live if j.status == state))
         oldest = min((j.created for j in live), default=None)
         self.m.video_oldest_job_age_seconds.labels(pool=self.pool).set(0.0 if oldest is None else now - oldest)
 

@@ -140,7 +140,7 @@ class StandIn:
         frames = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))).convert("RGB"))
                            for d in answer["data"]])
         jid = f"video_{len(self.videos):04d}"
-        job = {"id": jid, "object": "video", "status": "succeeded", "progress": 100, "step": body.get("steps", 8),
+        job = {"id": jid, "object": "video", "status": "completed", "progress": 100, "step": body.get("steps", 8),
                "steps": body.get("steps", 8), "error": None, "stepwatch": answer["stepwatch"]}
         self.videos[jid] = (job, encode_mp4(frames, 16))
         return 202, {**job, "status": "queued", "progress": 0, "step": 0}

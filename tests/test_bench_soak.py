@@ -115,7 +115,7 @@ def test_the_config_serves_every_size_the_clients_send() -> None:
 def _video_service(final: dict[str, object]) -> tuple[httpx.MockTransport, list[str]]:
     """A job API that runs a job for two polls, then ends it with ``final``; the methods it saw."""
     seen: list[str] = []
-    polls = iter([{"status": "running", "step": 1}, {"status": "running", "step": 2}])
+    polls = iter([{"status": "in_progress", "step": 1}, {"status": "in_progress", "step": 2}])
 
     def handle(request: httpx.Request) -> httpx.Response:
         seen.append(request.method)
@@ -123,14 +123,14 @@ def _video_service(final: dict[str, object]) -> tuple[httpx.MockTransport, list[
         if request.method == "POST":
             return httpx.Response(202, json={**base, "status": "queued", "step": 0})
         if request.method == "DELETE":
-            return httpx.Response(200, json={**base, "status": "running", "cancel_requested": True})
+            return httpx.Response(200, json={**base, "status": "in_progress", "cancel_requested": True})
         return httpx.Response(200, json={**base, **next(polls, final)})
 
     return httpx.MockTransport(handle), seen
 
 
 @pytest.mark.parametrize(("final", "cancel", "failures"), [
-    ({"status": "succeeded", "step": 4}, False, {}),
+    ({"status": "completed", "step": 4}, False, {}),
     ({"status": "cancelled", "step": 2}, True, {}),
     ({"status": "failed", "step": 1, "error": {"code": "out_of_memory", "message": "over the budget"}}, False,
      {"video_out_of_memory": 1}),

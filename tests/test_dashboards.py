@@ -493,7 +493,7 @@ def _video_job_with_a_cache(st: Any) -> None:
         job = run_video(st)
     finally:
         st.knobs(video_cache="none")
-    assert job["status"] == "succeeded" and job["stepwatch"]["cache"]["hits"] > 0, job
+    assert job["status"] == "completed" and job["stepwatch"]["cache"]["hits"] > 0, job
 
 
 def _two_sessions(st: Any) -> None:

@@ -130,11 +130,11 @@ def test_create_poll_download(client: TestClient, svc: Service) -> None:
     r = client.post("/v1/videos", json={"prompt": "a boat at dawn", "seed": 7})
     assert r.status_code == 202
     job = r.json()
-    assert job["object"] == "video" and job["status"] in ("queued", "running") and job["steps"] == 4
+    assert job["object"] == "video" and job["status"] in ("queued", "in_progress") and job["steps"] == 4
     assert r.headers["location"] == f"/v1/videos/{job['id']}"
     assert job["size"] == "128x128" and job["frames"] == 9 and job["stepwatch"]["shape"] == "128x128x9_4s"
-    done = wait_status(client, job["id"], ("succeeded",))
-    assert done["status"] == "succeeded" and done["progress"] == 100 and done["step"] == 4
+    done = wait_status(client, job["id"], ("completed",))
+    assert done["status"] == "completed" and done["progress"] == 100 and done["step"] == 4
     assert done["stepwatch"]["seconds_per_frame"] == pytest.approx(0.2 / 9, rel=1e-3)
     content = client.get(f"/v1/videos/{job['id']}/content")
     assert content.status_code == 200 and content.content == b"mp4 bytes"
@@ -155,13 +155,13 @@ def test_progress_is_step_k_of_n(client: TestClient, svc: Service) -> None:
     while time.monotonic() < deadline:
         body = client.get(f"/v1/videos/{job['id']}").json()
         seen.add((body["status"], body["step"]))
-        if body["status"] == "succeeded":
+        if body["status"] == "completed":
             break
         worker.hold.clear()
         time.sleep(0.05)
         worker.hold.set()
-    assert ("succeeded", 6) in seen
-    assert any(status == "running" and 0 < step < 6 for status, step in seen)
+    assert ("completed", 6) in seen
+    assert any(status == "in_progress" and 0 < step < 6 for status, step in seen)
 
 
 @pytest.mark.parametrize(("body", "param", "code"), [
@@ -172,6 +172,9 @@ def test_progress_is_step_k_of_n(client: TestClient, svc: Service) -> None:
     ({"prompt": "x", "steps": 0}, "steps", "invalid_value"),
     ({"prompt": "x", "fps": 8}, "fps", "unknown_parameter"),
     ({"frames": 9}, "prompt", "missing_required_parameter"),
+    ({"prompt": "x", "seconds": "4"}, "seconds", "invalid_value"),  # 65 frames: past max_frames 33
+    ({"prompt": "x", "seconds": "soon"}, "seconds", "invalid_value"),
+    ({"prompt": "x", "seconds": "1", "frames": 9}, "seconds", "conflicting_fields"),
 ])
 def test_bad_input_is_a_clear_400(client: TestClient, svc: Service, body: dict[str, Any], param: str,
                                   code: str) -> None:
@@ -183,6 +186,40 @@ def test_bad_input_is_a_clear_400(client: TestClient, svc: Service, body: dict[s
     assert value(scrape(svc.registry), "stepwatch_service_requests_total", pool="video", code="400") == 1
 
 
+def test_a_multipart_form_is_read_as_the_json_body_is(client: TestClient, svc: Service) -> None:
+    """OpenAI's client sends a form: its text numbers are numbers, ``seconds`` the nearest 4k+1 frames at the
+    fps, ``model`` is accepted; a file part, a non-number and a form without a boundary are clear 400s."""
+    form = {"prompt": "a wave", "size": "128x128", "seconds": "1", "model": "sora-2", "steps": "2", "seed": "7"}
+    r = client.post("/v1/videos", data=form, files={"unused": (None, "")})  # files: multipart, as OpenAI's
+    assert r.status_code == 400 and r.json()["error"]["param"] == "unused"  # an unknown field, as in JSON
+    r = client.post("/v1/videos", files={k: (None, v) for k, v in form.items()})
+    assert r.status_code == 202, r.json()
+    job = r.json()
+    assert (job["frames"], job["steps"], job["seed"], job["seconds"]) == (17, 2, 7, "1.06")  # 16 fps
+    assert job["model"] == "stepwatch-practice-wan" and job["prompt"] == "a wave"
+    r = client.post("/v1/videos", files={"prompt": (None, "x"), "input_reference": ("ref.png", b"png", "image/png")})
+    assert r.status_code == 400 and "file uploads" in r.json()["error"]["message"]
+    r = client.post("/v1/videos", files={"prompt": (None, "x"), "steps": (None, "four")})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_type"
+    r = client.post("/v1/videos", content=b"prompt=x", headers={"Content-Type": "multipart/form-data"})
+    assert r.status_code == 400 and "boundary" in r.json()["error"]["message"]
+    assert wait_status(client, job["id"], ("completed",))["status"] == "completed"
+
+
+def test_jobs_are_listed_a_page_at_a_time(client: TestClient, svc: Service) -> None:
+    ids = [client.post("/v1/videos", json={"prompt": f"clip {i}"}).json()["id"] for i in range(3)]
+    page = client.get("/v1/videos", params={"limit": 2}).json()
+    assert [j["id"] for j in page["data"]] == ids[::-1][:2] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (ids[2], ids[1])
+    rest = client.get("/v1/videos", params={"limit": 2, "after": page["last_id"]}).json()
+    assert [j["id"] for j in rest["data"]] == [ids[0]] and rest["has_more"] is False
+    assert [j["id"] for j in client.get("/v1/videos", params={"order": "asc"}).json()["data"]] == ids
+    assert client.get("/v1/videos", params={"limit": 0}).status_code == 400
+    assert client.get("/v1/videos", params={"after": "video_nope"}).status_code == 404
+    for i in ids:
+        wait_status(client, i, ("completed",))
+
+
 def test_unknown_job_and_content_before_done(client: TestClient, svc: Service) -> None:
     assert client.get("/v1/videos/video_nope").status_code == 404
     assert client.delete("/v1/videos/video_nope").status_code == 404
@@ -190,9 +227,9 @@ def test_unknown_job_and_content_before_done(client: TestClient, svc: Service) -
     worker.hold.clear()
     job = client.post("/v1/videos", json={"prompt": "held"}).json()
     r = client.get(f"/v1/videos/{job['id']}/content")
-    assert r.status_code == 409 and r.json()["error"]["code"] in ("video_queued", "video_running")
+    assert r.status_code == 409 and r.json()["error"]["code"] in ("video_queued", "video_in_progress")
     worker.hold.set()
-    assert wait_status(client, job["id"], ("succeeded",))["status"] == "succeeded"
+    assert wait_status(client, job["id"], ("completed",))["status"] == "completed"
 
 
 def test_a_decoding_job_is_not_cancellable_and_says_so_at_once(client: TestClient, svc: Service) -> None:
@@ -207,7 +244,7 @@ def test_a_decoding_job_is_not_cancellable_and_says_so_at_once(client: TestClien
     r = client.delete(f"/v1/videos/{job['id']}")
     assert r.status_code == 409 and r.json()["error"]["code"] == "not_cancellable", r.json()
     worker.decoding.set()
-    assert wait_status(client, job["id"], ("succeeded", "cancelled"))["status"] == "succeeded"
+    assert wait_status(client, job["id"], ("completed", "cancelled"))["status"] == "completed"
 
 
 def test_cancel_queued_and_running(client: TestClient, svc: Service) -> None:
@@ -217,20 +254,23 @@ def test_cancel_queued_and_running(client: TestClient, svc: Service) -> None:
     worker.hold.clear()
     running = client.post("/v1/videos", json={"prompt": "first"}).json()
     queued = client.post("/v1/videos", json={"prompt": "second"}).json()
-    assert wait_status(client, running["id"], ("running",))["status"] == "running"
+    assert wait_status(client, running["id"], ("in_progress",))["status"] == "in_progress"
     gone = client.delete(f"/v1/videos/{queued['id']}").json()
     assert gone["status"] == "cancelled"
     asked = client.delete(f"/v1/videos/{running['id']}").json()  # at once: it stops after its step
-    assert asked["status"] == "running" and asked["cancel_requested"] is True
+    assert asked["status"] == "in_progress" and asked["cancel_requested"] is True
     worker.hold.set()
-    stopped = wait_status(client, running["id"], ("cancelled", "succeeded"))
+    stopped = wait_status(client, running["id"], ("cancelled", "completed"))
     assert stopped["status"] == "cancelled" and stopped["step"] < 4
     assert [r["prompt"] for r in worker.runs] == ["first"]  # the queued one never reached the worker
-    assert client.delete(f"/v1/videos/{running['id']}").json()["status"] == "cancelled"  # again: as it is
     assert client.get(f"/v1/videos/{running['id']}/content").json()["error"]["code"] == "video_cancelled"
+    # Again, now that it ended: deleted with its video, as OpenAI's delete does.
+    assert client.delete(f"/v1/videos/{running['id']}").json() == {"id": running["id"], "object": "video.deleted",
+                                                                    "deleted": True}
+    assert client.get(f"/v1/videos/{running['id']}").status_code == 404
     assert client.post("/v1/images/generations", json={"prompt": "an image", "size": "256x256"}).status_code == 200
     after = client.post("/v1/videos", json={"prompt": "third"}).json()
-    assert wait_status(client, after["id"], ("succeeded",))["status"] == "succeeded"
+    assert wait_status(client, after["id"], ("completed",))["status"] == "completed"
     c = counters(svc)
     assert c == {"created": 3, "succeeded": 1, "failed": 0, "cancelled": 2, "in_flight": 0}
     assert value(scrape(svc.registry), "stepwatch_video_oldest_job_age_seconds", pool="video") == 0
@@ -242,7 +282,7 @@ def test_failed_job_says_why_and_frees_its_slot(client: TestClient, svc: Service
     assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory"
     assert "vae_decode" in failed["error"]["message"] and failed["stepwatch"]["stage"] == "vae_decode"
     ok = client.post("/v1/videos", json={"prompt": "fine"}).json()
-    assert wait_status(client, ok["id"], ("succeeded",))["status"] == "succeeded"
+    assert wait_status(client, ok["id"], ("completed",))["status"] == "completed"
     c = counters(svc)
     assert c["failed"] == 1 and c["succeeded"] == 1 and adds_up(c) and c["in_flight"] == 0
 
@@ -251,7 +291,7 @@ def test_in_flight_jobs_are_counted_while_they_run(client: TestClient, svc: Serv
     worker: StepWorker = svc.worker  # type: ignore[assignment]
     worker.hold.clear()
     ids = [client.post("/v1/videos", json={"prompt": f"job {i}"}).json()["id"] for i in range(3)]
-    wait_status(client, ids[0], ("running",))
+    wait_status(client, ids[0], ("in_progress",))
     svc._update_gauges()
     c = counters(svc)
     assert c["created"] == 3 and c["in_flight"] == 3 and adds_up(c)
@@ -261,7 +301,7 @@ def test_in_flight_jobs_are_counted_while_they_run(client: TestClient, svc: Serv
     assert value(data, "stepwatch_video_oldest_job_age_seconds", pool="video") > 0
     worker.hold.set()
     for i in ids:
-        wait_status(client, i, ("succeeded",))
+        wait_status(client, i, ("completed",))
     svc._update_gauges()
     assert adds_up(counters(svc)) and counters(svc)["in_flight"] == 0
 

@@ -56,9 +56,9 @@ def test_video_jobs_over_http(tmp_path: Path) -> None:
         worker_pid = svc.get("/v1/stepwatch/info")[1]["worker"]["pid"]
         # 1. Create, poll (step k of n), download: an H.264 MP4 of 9 frames at 128x128.
         job = create(svc, seed=3)
-        assert job["status"] in ("queued", "running") and job["steps"] == 4 and job["frames"] == 9
-        done = wait(svc, job["id"], ("succeeded", "failed"))
-        assert done["status"] == "succeeded" and done["progress"] == 100 and done["step"] == 4, done
+        assert job["status"] in ("queued", "in_progress") and job["steps"] == 4 and job["frames"] == 9
+        done = wait(svc, job["id"], ("completed", "failed"))
+        assert done["status"] == "completed" and done["progress"] == 100 and done["step"] == 4, done
         assert done["stepwatch"]["shape"] == "128x128x9_4s" and done["stepwatch"]["stages"]["vae_decode"] > 0
         status, _, headers = svc.request("GET", f"/v1/videos/{job['id']}/content")
         raw = svc.request_raw(f"/v1/videos/{job['id']}/content")
@@ -73,23 +73,23 @@ def test_video_jobs_over_http(tmp_path: Path) -> None:
         # 3. Cancel: a running job stops after its step; one queued behind it never runs.
         slow = create(svc, steps=40)  # many steps: seconds of work, the cancel lands between two of them
         queued = create(svc)
-        running = wait(svc, slow["id"], ("running",), timeout=120)
-        assert running["status"] == "running"
+        running = wait(svc, slow["id"], ("in_progress",), timeout=120)
+        assert running["status"] == "in_progress"
         assert svc.request("DELETE", f"/v1/videos/{queued['id']}")[1]["status"] == "cancelled"
         assert svc.request("DELETE", f"/v1/videos/{slow['id']}")[0] == 200
-        stopped = wait(svc, slow["id"], ("cancelled", "succeeded", "failed"))
+        stopped = wait(svc, slow["id"], ("cancelled", "completed", "failed"))
         assert stopped["status"] == "cancelled" and stopped["step"] < 40, stopped
         assert svc.get(f"/v1/videos/{slow['id']}/content")[0] == 409
         # Images are served between jobs.
         assert svc.generate(size="256x256", steps=4)[0] == 200
         # 4. The untiled long clip fails its job out of memory, with the stage and the fix; the worker serves on.
         assert svc.knobs(vae_tiling=False, video_decode_chunk_frames=0)[0] == 200
-        failed = wait(svc, create(svc, **LONG)["id"], ("succeeded", "failed"))
+        failed = wait(svc, create(svc, **LONG)["id"], ("completed", "failed"))
         assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory", failed
         assert "vae_decode" in failed["error"]["message"] and "tiling" in failed["error"]["message"]
         assert svc.knobs(vae_tiling=True, video_decode_chunk_frames=4)[0] == 200
-        again = wait(svc, create(svc)["id"], ("succeeded", "failed"))
-        assert again["status"] == "succeeded"
+        again = wait(svc, create(svc)["id"], ("completed", "failed"))
+        assert again["status"] == "completed"
         assert svc.get("/v1/stepwatch/info")[1]["worker"]["pid"] == worker_pid  # no restart
         # 5. Counters add up: created = succeeded + failed + cancelled + in flight.
         c = job_counters(svc)
@@ -101,8 +101,40 @@ def test_video_jobs_over_http(tmp_path: Path) -> None:
         assert value(m, "stepwatch_video_frames_total", pool="video") == 18
         assert_lint_clean(svc.get("/metrics")[1], "the service with video jobs")
         _video_probes_score_frames(svc, tmp_path)
+        _openai_client_drives_video_jobs(svc)
     finally:
         svc.close()
+
+
+def _openai_client_drives_video_jobs(svc: ServiceProc) -> None:
+    """OpenAI's own client, as its documentation uses it: a multipart create polled to completed, the MP4
+    downloaded, the job in the list, typed errors for a bad size and an unknown id, delete."""
+    import io
+
+    import av
+    import openai
+
+    client = openai.OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0)
+    job = client.videos.create_and_poll(prompt="a lighthouse at dusk", size="128x128",  # type: ignore[arg-type]
+                                        seconds="0.5", poll_interval_ms=50)  # type: ignore[arg-type]
+    assert job.status == "completed" and job.progress == 100 and job.model == "stepwatch-practice-wan", job
+    assert job.seconds == "0.562" and job.size == "128x128"  # 0.5 s at 16 fps: the nearest 4k+1 is 9 frames
+    with av.open(io.BytesIO(client.videos.download_content(job.id).read())) as f:
+        assert sum(1 for _ in f.decode(video=0)) == 9
+    page = client.videos.list(limit=1)
+    assert page.data[0].id == job.id and page.has_more  # newest first; earlier jobs follow
+    assert job.id in {v.id for v in client.videos.list(order="asc")}  # every page, through ``after``
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.videos.create(prompt="a wave", size="720x1280")
+    assert bad.value.code == "unknown_size" and "128x128" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as long:
+        client.videos.create(prompt="a wave", seconds="12")
+    assert long.value.code == "invalid_value" and "7.5" in long.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve("video_nope")
+    assert client.videos.delete(job.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(job.id)
 
 
 def _video_probes_score_frames(svc: ServiceProc, tmp_path: Path) -> None:
@@ -138,3 +170,35 @@ def _video_probes_score_frames(svc: ServiceProc, tmp_path: Path) -> None:
     assert value(d, "stepwatch_quality_ssim_ratio", probe_set="clips", instance_id=cached.scored[0].instance_id or "",
                  stat="min") == cached.ssim["min"]
     assert total(svc.metrics(), "stepwatch_cache_few_step_hits_total") >= 2
+
+
+def _worker_vm_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmSize")
+
+
+@pytest.mark.heavy
+def test_a_large_job_leaves_later_jobs_their_memory(tmp_path: Path) -> None:
+    """A job that fails out of memory (the long clip untiled) and one at the advertised maximum leave the worker
+    its address space: the next jobs within the limits succeed and the VM the budget caps comes back.  (With
+    glibc's rising mmap threshold the freed 1-32 MiB blocks stayed in the heap: every later 41-frame job failed
+    out of memory.)"""
+    svc = ServiceProc(tmp_path / "svc", OVERRIDES)
+    try:
+        pid = svc.get("/v1/stepwatch/info")[1]["worker"]["pid"]
+        clip = {"size": "256x256", "frames": 41, "steps": 2}
+        assert wait(svc, create(svc, **clip)["id"], ("completed", "failed"))["status"] == "completed"
+        level = _worker_vm_mb(pid)
+        assert svc.knobs(vae_tiling=False, video_decode_chunk_frames=0)[0] == 200
+        failed = wait(svc, create(svc, **LONG)["id"], ("completed", "failed"))
+        assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory", failed
+        assert svc.knobs(vae_tiling=True, video_decode_chunk_frames=4)[0] == 200
+        for body in ({**clip, "frames": 121}, clip, {**clip, "frames": 81}, clip):
+            done = wait(svc, create(svc, **body)["id"], ("completed", "failed"))
+            assert done["status"] == "completed", (body, done)
+        assert _worker_vm_mb(pid) <= level * 1.1, (level, _worker_vm_mb(pid))
+        assert svc.get("/v1/stepwatch/info")[1]["worker"]["pid"] == pid
+    finally:
+        svc.close()

@@ -165,13 +165,13 @@ class ServiceClient:
         jid = job.get("id") if isinstance(job, dict) else None
         if not isinstance(jid, str):
             raise ProbeError("bad_response", f"probe {item.id}: the video job answer has no id")
-        while job.get("status") in ("queued", "running"):
+        while job.get("status") in ("queued", "in_progress"):
             if time.monotonic() > deadline:
                 self._cancel(jid)
                 raise ProbeError("timeout", f"probe {item.id}: video job {jid} not done within {timeout_s:.1f} s")
             time.sleep(VIDEO_POLL_S)
             job = self._request("GET", f"/v1/videos/{jid}", deadline - time.monotonic())
-        if job.get("status") != "succeeded":
+        if job.get("status") != "completed":
             err = job.get("error") or {}
             code = err.get("code", "") if isinstance(err, dict) else ""
             raise ProbeError(JOB_REASONS.get(code, "http_500"),
