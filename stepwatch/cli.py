@@ -44,6 +44,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
                    "per-chunk cost of the hooks on chunked autoregressive video, bare vs instrumented"),
         "fleet": ("stepwatch.bench.fleet",
                   "a load test through the fleet's load balancer, side by side with direct requests"),
+        "allocator": ("stepwatch.bench.allocator",
+                      "an image's time under the worker's malloc settings vs glibc's, process pairs side by side"),
         "soak": ("stepwatch.bench.soak",
                  "mixed traffic on one practice service for N minutes: failures, memory growth, restarts"),
     },

@@ -68,6 +68,11 @@ def limit_arenas() -> bool:
 MMAP_THRESHOLD_CEILING_BYTES = 32 << 20  # where glibc's dynamic threshold stops rising on 64-bit
 
 
+def set_mmap_threshold(n_bytes: int) -> bool:
+    """Blocks of ``n_bytes`` and more get mappings of their own (and glibc's rising of the threshold stops)."""
+    return _mallopt(M_MMAP_THRESHOLD, n_bytes)
+
+
 @contextmanager
 def large_blocks_returned_when_freed() -> Iterator[None]:
     """Inside: every block of a MiB or more gets a mapping of its own, unmapped when freed.  The worker runs
@@ -79,11 +84,11 @@ def large_blocks_returned_when_freed() -> Iterator[None]:
     turns the rising off): an image's per-step tensors reuse the heap, as they would once the threshold had
     risen (a 1 MiB threshold for images made a 512x512 x 8-step image 1.55-1.77x slower on CPU).
     """
-    _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    set_mmap_threshold(MMAP_THRESHOLD_BYTES)
     try:
         yield
     finally:
-        _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_CEILING_BYTES)
+        set_mmap_threshold(MMAP_THRESHOLD_CEILING_BYTES)
 
 
 def malloc_trim() -> None:
