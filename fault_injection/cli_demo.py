@@ -61,7 +61,15 @@ def run(args: argparse.Namespace) -> int:
 
         return demo.exporter_demo(_sizes(args.shapes), port=args.port, steps=args.steps, requests=args.requests,
                                   cache_threshold=args.cache_threshold, hold=args.hold)
-    drill_args = argparse.Namespace(drills=args.drills, out=args.out, compile_backend=args.compile_backend,
-                                    no_snapshots=False, no_triage=False, json=False, record=None,
-                                    service=None, prometheus=None, alertmanager=None, admin_token=None)
-    return cli_drill.run(drill_args)
+    return cli_drill.run(drill_arguments(args))
+
+
+def drill_arguments(args: argparse.Namespace) -> argparse.Namespace:
+    """``stepwatch drill``'s own arguments for the demo's drills: parsed by its parser, so every option the
+    drill command reads has its default."""
+    p = argparse.ArgumentParser(prog="stepwatch drill")
+    cli_drill.add_arguments(p)
+    argv = [*args.drills, "--out", args.out]
+    if args.compile_backend:
+        argv += ["--compile-backend", args.compile_backend]
+    return p.parse_args(argv)

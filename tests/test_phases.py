@@ -57,3 +57,18 @@ def test_the_summary_names_each_cause_and_where_to_look(tmp_path: Path) -> None:
         "-   <- triage named cache_threshold_too_high")
     assert f"json:   {tmp_path / 'report.json'}" in rows
     assert f"panels: 1 PNG under {tmp_path}/<drill>/" in rows
+
+
+def test_the_demo_hands_the_drill_command_a_complete_set_of_its_arguments() -> None:
+    import argparse
+
+    from stepwatch.fault_injection import cli_demo
+
+    p = argparse.ArgumentParser()
+    cli_demo.add_arguments(p)
+    demo = p.parse_args([])
+    assert (demo.drills, demo.compile_backend) == (["demo"], "aot_eager")
+    args = cli_demo.drill_arguments(demo)
+    assert (args.drills, args.out, args.compile_backend, args.variant, args.record) == (
+        ["demo"], "reports", "aot_eager", 0, None)
+    assert "about 10 min" in p.format_help()
