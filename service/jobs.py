@@ -70,7 +70,7 @@ class Job:
     def done(self) -> bool:
         return self.status in OUTCOMES
 
-    def view(self, now: float, model: str = PRACTICE_MODEL, fps: int = 16) -> dict[str, Any]:
+    def view(self, now: float, model: str, fps: int) -> dict[str, Any]:
         """The job as ``GET /v1/videos/{id}`` answers it (OpenAI's video object, plus step k of n)."""
         steps = self.req.steps
         queued = (self.started or (self.finished if self.finished else now)) - self.created
