@@ -102,12 +102,14 @@ def one_pair(a: str, b: str, rounds: int, size: int, steps: int) -> tuple[float,
 
 def compare(variant: str, pairs: int, rounds: int, size: int, steps: int) -> dict[str, Any]:
     a, b = VARIANTS[variant]
-    within = []
+    within: list[dict[str, Any]] = []
+    ratios: list[float] = []
     for i in range(pairs):
         ratio, (lo, hi) = one_pair(a, b, rounds, size, steps)
+        ratios.append(ratio)
         within.append({"ratio": round(ratio, 4), "interval": [round(lo, 4), round(hi, 4)]})
         print(f"  pair {i + 1}/{pairs}: {a}/{b} {ratio:.4f} [{lo:.4f}, {hi:.4f}]", file=sys.stderr, flush=True)
-    ratio, (lo, hi) = pooled_ratio([w["ratio"] for w in within])
+    ratio, (lo, hi) = pooled_ratio(ratios)
     return {"variant": variant, "a": SETTINGS[a], "b": SETTINGS[b], "shape": f"{size}x{size}_{steps}s",
             "pairs": pairs, "rounds": rounds, "ratio": round(ratio, 4),
             "interval": [round(lo, 4), round(hi, 4)], "within_pairs": within,
