@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -92,13 +92,16 @@ async def _video_call(request: Request, fn: Callable[..., Any], *args: Any) -> R
 
 
 @router.get("/v1/videos", responses=ERRORS)
-async def list_videos(request: Request, limit: int = 20, after: str | None = None,
-                      order: Literal["asc", "desc"] = "desc") -> Response:
+async def list_videos(request: Request, limit: str = "20", after: str | None = None, order: str = "desc") -> Response:
     """The jobs the service remembers, newest first by default: OpenAI's list (``data``, ``first_id``,
-    ``last_id``, ``has_more``; page on with ``after`` = the last id)."""
-    if not 1 <= limit <= 100:
-        return error_response(api.ApiError(400, f"'limit' must be between 1 and 100, got {limit}", "limit"))
-    return await _video_call(request, service_of(request).list_videos, limit, after, order)
+    ``last_id``, ``has_more``; page on with ``after`` = the last id).  The parameters are read here, not by
+    FastAPI, so a bad one gets the API's error shape (a 400 naming it), not a 422."""
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
+        return error_response(api.ApiError(400, f"'limit' must be an integer from 1 to 100, got {limit[:20]!r}",
+                                           "limit"))
+    if order not in ("asc", "desc"):
+        return error_response(api.ApiError(400, f"'order' must be 'asc' or 'desc', got {order[:20]!r}", "order"))
+    return await _video_call(request, service_of(request).list_videos, int(limit), after, order)
 
 
 @router.get("/v1/videos/{job_id}", responses=ERRORS)

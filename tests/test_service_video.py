@@ -214,7 +214,9 @@ def test_jobs_are_listed_a_page_at_a_time(client: TestClient, svc: Service) -> N
     rest = client.get("/v1/videos", params={"limit": 2, "after": page["last_id"]}).json()
     assert [j["id"] for j in rest["data"]] == [ids[0]] and rest["has_more"] is False
     assert [j["id"] for j in client.get("/v1/videos", params={"order": "asc"}).json()["data"]] == ids
-    assert client.get("/v1/videos", params={"limit": 0}).status_code == 400
+    for bad in ({"limit": 0}, {"limit": "ten"}, {"limit": 101}, {"order": "newest"}):
+        r = client.get("/v1/videos", params=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), (bad, r.text)
     assert client.get("/v1/videos", params={"after": "video_nope"}).status_code == 404
     for i in ids:
         wait_status(client, i, ("completed",))
