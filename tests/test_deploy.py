@@ -72,3 +72,30 @@ def test_the_image_build_script_parses_and_builds_on_the_base_it_makes() -> None
     containerfile = (ROOT / "deploy" / "image" / "Containerfile").read_text()
     assert base and f"FROM {base.group(1)}" in containerfile
     assert "image)" in (ROOT / "dev").read_text() and "deploy/image/build.sh" in (ROOT / "dev").read_text()
+
+
+def _crd_errors(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    import json
+    import subprocess
+
+    from tests.conftest import need_tool
+
+    node = need_tool("node")
+    prefix = ROOT / "build" / "npm"
+    if not (prefix / "node_modules" / "@kubernetes-models" / "prometheus-operator").is_dir():
+        pytest.skip("the Prometheus Operator's CRD schemas are not installed (./dev setup installs them)")
+    p = subprocess.run([node, str(ROOT / "tests" / "crd_validate.mjs"), str(prefix)], input=json.dumps(docs),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out: list[dict[str, Any]] = json.loads(p.stdout)
+    return out
+
+
+def test_the_operator_objects_pass_the_operators_crd_schemas() -> None:
+    crds = [d for _, d in documents() if d["kind"] in CRDS]
+    assert {d["kind"] for d in crds} == CRDS
+    results = _crd_errors(crds)
+    assert [r["errors"] for r in results] == [[], []], results
+    bad = yaml.safe_load(yaml.safe_dump(next(d for d in crds if d["kind"] == "PodMonitor")))
+    bad["spec"]["podMetricsEndpoints"][0]["interval"] = 15  # a number where the CRD says a duration string
+    assert "interval must be string" in _crd_errors([bad])[0]["errors"][0]
