@@ -149,16 +149,17 @@ class PracticeService:
 
 
 @contextmanager
-def practice_service(workdir: Path, config: dict[str, Any] | None = None,
-                     ready_timeout: float = READY_TIMEOUT_S) -> Iterator[PracticeService]:
+def practice_service(workdir: Path, config: dict[str, Any] | None = None, ready_timeout: float = READY_TIMEOUT_S,
+                     env: dict[str, str] | None = None, cwd: Path | None = None) -> Iterator[PracticeService]:
     """``stepwatch serve`` on a free loopback port with ``config`` (default: the soak's), ready; stopped after,
-    with whatever it started (its own process group)."""
+    with whatever it started (its own process group).  ``env`` is added to this process's environment."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "service.yaml"
     path.write_text(yaml.safe_dump(config or SOAK_CONFIG))
     port = free_port()
-    child = Child("serve", [sys.executable, "-m", "stepwatch.cli", "serve", "--config", str(path), "--port",
-                            str(port)], workdir / "service.log", env={"TOKENIZERS_PARALLELISM": "false"})
+    argv = [sys.executable, "-m", "stepwatch.cli", "serve", "--config", str(path), "--port", str(port)]
+    child = Child("serve", argv, workdir / "service.log", env={"TOKENIZERS_PARALLELISM": "false", **(env or {})},
+                  cwd=cwd)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + ready_timeout
@@ -460,14 +461,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print one JSON object (minutes, requests, failed_within_limits, worker_vm_start_mb, "
                         "worker_vm_end_mb, http_rss_start_mb, http_rss_end_mb, restarts, ...) instead of the "
                         "summary; *_start_mb is the level after the first minute")
+    p.add_argument("--ranks", type=int, choices=(1, 2), default=1,
+                   help="1 (default): the mixed traffic above on one worker; 2: a two-rank service (FirstBlockCache "
+                        "on) under steady images, for the follower-rank and collective failures only minutes show; "
+                        "its bar: every request 200, no restart, no abort line in the log, the crowded rank charged")
+    p.add_argument("--hogs", type=int, default=0,
+                   help="with --ranks 2: CPU-bound busy loops, pinned round-robin over rank 1's CPUs first, then "
+                        "the others (default: %(default)s)")
+    p.add_argument("--malloc-check", action="store_true",
+                   help="with --ranks 2: glibc's checking allocator in every process of the service "
+                        "(libc_malloc_debug, glibc.malloc.check=3), core files allowed in the work directory, "
+                        "faulthandler on")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.minutes < 1:
         raise SystemExit("bench soak: --minutes must be >= 1")
+    if args.hogs < 0:
+        raise SystemExit("bench soak: --hogs must be >= 0")
+    if args.ranks == 1 and (args.hogs or args.malloc_check):
+        raise SystemExit("bench soak: --hogs and --malloc-check go with --ranks 2")
+    from stepwatch.bench import soak_ranks  # it builds on this module
+
     workdir = Path(tempfile.mkdtemp(prefix="stepwatch-soak-"))
     try:
-        res = soak(args.minutes, workdir)
+        if args.ranks == 2:
+            res = soak_ranks.soak_ranks(args.minutes, args.hogs, args.malloc_check, workdir, sys.stderr)
+        else:
+            res = soak(args.minutes, workdir)
     except RuntimeError as e:
         print(f"bench soak: {e}", file=sys.stderr)
         return 1
@@ -475,5 +496,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res))
         print("PASS" if res["passed"] else "FAIL: " + "; ".join(res["reasons"]), file=sys.stderr)
     else:
-        print(summary(res))
+        print(soak_ranks.summary(res) if args.ranks == 2 else summary(res))
     return 0 if res["passed"] else 1

@@ -164,13 +164,14 @@ class Child:
     also ends what it started (the service's worker and rank processes).
     """
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=cwd)
         except BaseException:
             self._log.close()
             raise

@@ -165,3 +165,70 @@ def test_a_stream_session_is_judged_only_when_read_to_its_end(plan: soak.StreamP
     with httpclient.use_transport(_stream_service(end)):
         soak.stream_session("http://svc", tally, threading.Event(), plan, seed=0)
     assert tally.outcomes == {outcome: 1} and tally.failures == failures
+
+
+# ----- the two-rank soak ------------------------------------------------------------------------------------
+def test_hogs_crowd_rank_one_first_then_the_rest() -> None:
+    from stepwatch.bench.soak_ranks import hog_cpus
+
+    assert hog_cpus([1], [0, 1], 3) == [1, 0, 1]
+    assert hog_cpus([2, 3], [0, 1, 2, 3], 5) == [2, 3, 0, 1, 2]
+    assert hog_cpus([1], [0, 1], 0) == []
+
+
+def test_abort_lines_are_found_and_ordinary_lines_are_not() -> None:
+    from stepwatch.bench.soak_ranks import abort_lines
+
+    log = ("INFO ranks: 0 pid 10 cpus [0], 1 pid 11 cpus [1]\n"
+           "malloc(): unaligned tcache chunk detected\n"
+           "WARNING worker killed by SIGABRT; restarting\n"
+           "INFO request done in 0.4 s (free memory 1.2 GB)\n")
+    assert abort_lines(log) == ["malloc(): unaligned tcache chunk detected",
+                                "WARNING worker killed by SIGABRT; restarting"]
+
+
+def _ranks_result(**over: object) -> dict[str, object]:
+    res: dict[str, object] = {"failed_within_limits": 0, "restarts": 0, "aborts": [], "core_files": [], "hogs": 3,
+                              "rank_busy_seconds": {"0": 60.0, "1": 90.0}}
+    return {**res, **over}
+
+
+@pytest.mark.parametrize(("over", "named"), [
+    ({}, None),
+    ({"failed_within_limits": 1}, "not answered 200"),
+    ({"restarts": 1}, "worker restarts"),
+    ({"aborts": ["free(): invalid pointer"]}, "abort line"),
+    ({"core_files": ["core"]}, "core files"),
+    ({"rank_busy_seconds": {"0": 60.0, "1": 65.0}}, "not charged"),
+    ({"rank_busy_seconds": {"0": 60.0, "1": 65.0}, "hogs": 0}, None),  # no hog: nothing to charge
+])
+def test_two_rank_verdict_names_what_broke(over: dict[str, object], named: str | None) -> None:
+    from stepwatch.bench.soak_ranks import verdict as ranks_verdict
+
+    reasons = ranks_verdict(_ranks_result(**over))
+    assert (reasons == []) if named is None else (len(reasons) == 1 and named in reasons[0]), reasons
+
+
+def test_a_heap_abort_is_found_and_the_checking_allocator_is_loaded() -> None:
+    """A process that frees a block twice under the environment --malloc-check gives the service: glibc aborts
+    it with a line abort_lines finds, and its memory map holds the checking allocator."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from stepwatch.bench.soak_ranks import MALLOC_DEBUG, abort_lines, malloc_check_env
+
+    code = ("import ctypes, sys\nprint(any('malloc_debug' in line for line in open('/proc/self/maps')), flush=True)\n"
+            "libc = ctypes.CDLL(None)\nlibc.malloc.restype = ctypes.c_void_p\nlibc.free.argtypes = [ctypes.c_void_p]\n"
+            "p = libc.malloc(64)\nlibc.free(p)\nlibc.free(p)\nprint('survived')")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **malloc_check_env()},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout.split() == ["True"], (MALLOC_DEBUG, proc.stdout)
+    assert abort_lines(proc.stderr), proc.stderr
+
+
+def test_hogs_and_malloc_check_need_two_ranks() -> None:
+    with pytest.raises(SystemExit, match="--ranks 2"):
+        main(["bench", "soak", "--hogs", "2"])

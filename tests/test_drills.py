@@ -315,7 +315,7 @@ def test_collective_stall_drill(tmp_path: Path) -> None:
     triage names the hang, not the starved CPU (a CPU check asked before the ranks says cpu_contention here).
     The stragglers run by name and from their recordings (straggler 111 s, straggler-neighbour 111 s in the drill-all of
     2026-12-06): the delayed rank's panels are test_dashboards' live rank test, the crowded rank's timing
-    the two-rank soak's (test_service_ranks), their alert promtool's cases."""
+    test_service_ranks' pinned ranks beside a busy loop, their alert promtool's cases."""
     names = ("worker-stall",)
     rc, summary, log = _run_drills(list(names), tmp_path)
     assert rc == 0, log

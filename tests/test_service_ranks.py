@@ -10,6 +10,7 @@ still hits, and every request's rank stamps reach rank 0 (the exporter itself ad
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,10 +24,9 @@ pytestmark = pytest.mark.heavy
 
 PROMPTS = ("a red fox in snow", "city at night", "a bowl of fruit", "mountain lake", "portrait of a cat")
 REQUESTS = 8
-DURATION_S = 180  # the report's hang came at ~100 s: past it with margin (five minutes cost the suite 5.4 of them)
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, pin: list[int] | None = None) -> None:
     import torch
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
@@ -37,6 +37,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     from stepwatch.service.cache import apply_cache
     from stepwatch.service.pipeline import build_pipeline, prompt_words
 
+    if pin is not None:
+        os.sched_setaffinity(0, {pin[rank]})
     torch.set_num_threads(1)
     torch.accelerator.device_count = lambda: 1  # type: ignore[method-assign]  # CPU ranks, as service/ranks.py
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -81,42 +83,28 @@ def test_two_ranks_agree_on_every_cache_decision_and_never_hang(tmp_path: Path) 
     assert all(b > 0 for b in result["busy"].values())
 
 
-def test_two_rank_service_with_a_cpu_bound_neighbour_answers_every_request_for_three_minutes(tmp_path: Path) -> None:
-    """The operator's report: two ranks, FirstBlockCache on, CPU-bound processes beside a rank, traffic;
-    the service hung after ~100 s.  Here every request of three minutes of that traffic must be answered,
-    and the rank timing must charge the crowded rank."""
-    from stepwatch.fault_injection.neighbours import start_neighbours
-    from tests.promtext import value
-    from tests.servicefixture import ServiceProc
+def test_a_crowded_rank_is_charged_its_busy_time(tmp_path: Path) -> None:
+    """The straggler-neighbour drill's point, in seconds: each rank pinned to a CPU of its own (as the service
+    pins them), a busy loop beside rank 1; rank 1's busy seconds must pass the rank-skew line, 1.1x rank 0's.
+    The operator's long run of this (the report's hang came at ~100 s) runs by name:
+    ``stepwatch bench soak --ranks 2 --hogs 1 --minutes 3``."""
+    import torch.multiprocessing as mp
 
-    svc = ServiceProc(tmp_path, {"ranks": 2, "compile": {"enabled": False}, "warmup": ["256x256", "512x512"],
-                                 "default_steps": 8, "cache": {"kind": "first_block_cache", "threshold": 0.7},
-                                 "pools": {"small": {"sizes": ["256x256", "512x512"], "slo_seconds": 30}},
-                                 "request_timeout_seconds": 120})
-    ranks = svc.get("/v1/stepwatch/info")[1]["worker"]["ranks"]
-    assert [r["rank"] for r in ranks] == [0, 1] and not set(ranks[0]["cpus"]) & set(ranks[1]["cpus"]), ranks
-    neighbours = start_neighbours(ranks[1]["cpus"], 1)  # beside rank 1 only
-    codes: list[int] = []
-    busy: dict[str, float] = {}
+    from stepwatch.fault_injection.neighbours import start_neighbours
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: the ranks cannot have one each")
+    out = tmp_path / "ranks.json"
+    hogs = start_neighbours([cpus[1]], 1)
     try:
-        end = time.time() + DURATION_S
-        i = 0
-        while time.time() < end:
-            size = ("256x256", "512x512")[i % 2]
-            request = {"prompt": PROMPTS[i % len(PROMPTS)], "size": size, "seed": i, "steps": 8}
-            code, body, _ = svc.request("POST", "/v1/images/generations", request, timeout=150)
-            assert code == 200, f"request {i} ({size}, seed {i}): {code} {body}\n{svc.log()}"
-            codes.append(code)
-            i += 1
-        m = svc.metrics()
-        busy = {r: value(m, "stepwatch_rank_busy_seconds_total", rank=r) for r in "01"}
+        mp.spawn(_rank, args=(2, free_port(), str(out), cpus[:2]), nprocs=2, join=True)
     finally:
-        for p in neighbours:
+        for p in hogs:
             p.kill()
             p.wait()
-        svc.close()
-    assert len(codes) >= DURATION_S // 15, f"only {len(codes)} requests in {DURATION_S} s"  # one per 15 s at least
-    assert busy["1"] > 1.1 * busy["0"], busy  # the crowded rank arrives last: named, past the 10% threshold
+    busy = json.loads(out.read_text())["busy"]
+    assert busy["1"] > 1.1 * busy["0"], busy
 
 
 def _compiled_rank(rank: int, world: int, port: int, out: str) -> None:
