@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", type=int, default=0,
                    help="run each fault with its k-th other values (the drill block's variants; default 0: as "
                         "written): recordings vary the values instead of reusing one")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the list N times over on the same stacks (default 1): is a drill flaky here? The "
+                        "summary has a row per run; each drill's panels are those of its last run")
     a = p.add_argument_group("attach to a running stack instead of starting one")
     a.add_argument("--service", help="practice service URL (its admin endpoint must be on)")
     a.add_argument("--prometheus", help="Prometheus URL (with stepwatch's drill rules loaded)")
@@ -80,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
         names = expand(args.drills)
     except ValueError as e:
         raise SystemExit(f"stepwatch drill: {e}") from None
+    if args.repeat < 1:
+        raise SystemExit("stepwatch drill: --repeat must be >= 1")
+    if args.repeat > 1 and args.record:
+        raise SystemExit("stepwatch drill: --record takes each drill once (a case per drill); leave out --repeat")
+    names = names * args.repeat
     attach = _attach(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     t0 = time.time()

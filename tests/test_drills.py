@@ -428,3 +428,14 @@ def test_a_viewer_reads_each_chunks_realtime_factor_from_the_session_event() -> 
     no_fps = {**seen, "fps": None, "realtime_factors": []}
     _take(no_fps, "chunk", {"index": 2, "seconds": 1.5}, 0.0)
     assert no_fps["realtime_factors"] == []  # an older service: no factor rather than a wrong one
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["drill", "straggler", "--repeat", "0"], "--repeat must be >= 1"),
+    (["drill", "straggler", "--repeat", "2", "--record", "scenarios"], "leave out --repeat"),
+])
+def test_repeat_refuses_what_it_cannot_do(argv: list[str], says: str) -> None:
+    from stepwatch.cli import main
+
+    with pytest.raises(SystemExit, match=says):
+        main(argv)
