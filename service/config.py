@@ -170,6 +170,10 @@ class ServiceConfig:
     # own GPU; a process beside one rank then slows that rank alone (the straggler drill's neighbour).
     pin_ranks: bool = True
     baselines: str | None = None  # per-shape step time / hit-rate baselines published as gauges
+    # Where the service keeps its last configuration (service/config_history.py), so a restart onto another
+    # configuration is told from a routine one.  A directory that outlives the process (a pod's volume); None:
+    # only changes within one process (knob calls, worker restarts) are known.
+    state_dir: str | None = None
     request_timeout_seconds: float = 600.0
     # The thresholds file whose alerts.worker_stalled sets the stall limit (/readyz, the worker restart), so
     # the service and StepwatchWorkerStalled agree; default: the packaged stepwatch/thresholds.yaml.
@@ -362,6 +366,8 @@ def _check_deployment(cfg: ServiceConfig) -> None:
         raise ConfigError(f"family: {cfg.family!r} is not flux or wan")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ConfigError(f"dtype: {cfg.dtype!r} is not one of {', '.join(DTYPES)} (or null: the model's own)")
+    if cfg.state_dir is not None and not isinstance(cfg.state_dir, str):
+        raise ConfigError(f"state_dir: a directory path (or null), got {cfg.state_dir!r}")
     if cfg.baselines is not None and not Path(cfg.baselines).is_file():
         raise ConfigError(f"baselines: {cfg.baselines} is not a file")
     if cfg.model is not None and not (Path(cfg.model) / "model_index.json").is_file():

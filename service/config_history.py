@@ -7,7 +7,7 @@ state file (``state_dir``; without one, only knob changes are known) and, at sta
 compares the new configuration with the one before:
 
 - ``by``: ``restart`` (the previous process ran another configuration), ``knob`` (an admin call), or
-  ``none`` (nothing changed since the state file began);
+  ``worker_restart`` (a restarted worker is back on the start-up knobs);
 - ``keys``: the knobs (and ``fingerprint`` for the deployment's identity) that differ;
 - ``at``: when the change took effect (unix seconds).
 
@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from stepwatch.metrics import ServiceMetrics
 
 log = logging.getLogger("stepwatch.service")
 
@@ -66,11 +68,12 @@ class ConfigHistory:
         self._save()
         return self.last if self.last is not None and self.last.config_id == config_id else None
 
-    def knobs_changed(self, config_id: str, settings: dict[str, Any]) -> Change | None:
-        """A knob call produced ``config_id``: the change, or None when the configuration is the same."""
+    def knobs_changed(self, config_id: str, settings: dict[str, Any], by: str = "knob") -> Change | None:
+        """A knob call (or a restarted worker, back on the start-up knobs: ``by="worker_restart"``) produced
+        ``config_id``: the change, or None when the configuration is the same."""
         if config_id == self.config_id:
             return None
-        change = Change("knob", _differing(self.settings, settings), self.clock(), str(self.config_id), config_id)
+        change = Change(by, _differing(self.settings, settings), self.clock(), str(self.config_id), config_id)
         self.config_id, self.settings, self.last = config_id, dict(settings), change
         self._save()
         return change
@@ -107,3 +110,16 @@ class ConfigHistory:
 
 def _differing(before: dict[str, Any], after: dict[str, Any]) -> tuple[str, ...]:
     return tuple(sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)))
+
+
+def publish_change(m: ServiceMetrics, change: Change | None, keys: tuple[str, ...]) -> None:
+    """The last change as metrics: its time (0: none known), which of ``keys`` differed, and how (an info
+    series: by, previous_config_id, config_id).  ``keys`` is fixed per service (its knobs and ``fingerprint``),
+    so the label stays bounded whatever a change holds."""
+    m.service_config_changed_timestamp_seconds.set(change.at if change else 0.0)
+    for k in keys:
+        m.service_config_changed_key_active.labels(key=k).set(int(change is not None and k in change.keys))
+    m.service_config_change.clear()
+    if change is not None:
+        m.service_config_change.info({"by": change.by, "previous_config_id": change.previous_config_id,
+                                      "config_id": change.config_id})

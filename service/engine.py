@@ -19,10 +19,9 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,8 +32,10 @@ from stepwatch.exposition import Renderer
 from stepwatch.metrics import ServiceMetrics
 from stepwatch.service import api, knobs
 from stepwatch.service.config import PoolConfig, ServiceConfig, parse_size
+from stepwatch.service.config_history import ConfigHistory, publish_change
 from stepwatch.service.fingerprint import fingerprint_id
 from stepwatch.service.jobs import Job, VideoJobs, model_name
+from stepwatch.service.knobs import KnobGate
 from stepwatch.service.messages import ProgressMsg, ReadyMsg, Reply, ResultMsg
 from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Scheduler, Ticket
 from stepwatch.service.sessions import SessionManager
@@ -82,45 +83,6 @@ def _worker_died(message: str) -> api.ApiError:
 WORKER_FAILED = "the worker cannot start; see the service log"
 
 
-class KnobGate:
-    """Generations and knob calls take turns on the worker; a knob call waiting goes before the next generation.
-
-    A knob that re-warms (another cache kind, compile back on) runs for many seconds.  A generation sent
-    behind it would be timed as in flight all along, read as a stalled worker (a critical alert) and get
-    the worker restarted: found by the cache-off drill.  Generations wait in the queue instead, where
-    their wait is queue wait.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._knob_calls = 0
-        self._generating = False
-
-    @contextmanager
-    def generation(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._knob_calls)
-            self._generating = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._generating = False
-                self._cond.notify_all()
-
-    @contextmanager
-    def knobs(self) -> Iterator[None]:
-        with self._cond:
-            self._knob_calls += 1
-            self._cond.wait_for(lambda: not self._generating)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._knob_calls -= 1
-                self._cond.notify_all()
-
-
 class Service:
     def __init__(self, cfg: ServiceConfig, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
@@ -143,6 +105,8 @@ class Service:
         self.fingerprint: dict[str, Any] = {}
         self.knobs: dict[str, Any] = {}
         self.started_knobs: dict[str, Any] | None = None  # the knobs of the first ready worker: the deployment's
+        self.history = ConfigHistory(Path(cfg.state_dir) if cfg.state_dir else None)
+        self._history_started = False
         self.fatal: str | None = None
         self._quick_deaths = 0  # worker deaths since it was last ready
         self.started = time.time()
@@ -212,6 +176,7 @@ class Service:
             self.predictor.ledger = LedgerParams(lp["p_tok"], lp["layers"], lp["hidden"], (pf, ph, pw),
                                                  lp["cross_attention"], lp["vae_scale"], lp["text_tokens"])
         self._prime_predictor(msg)
+        self._note_config("worker_restart")
         self.publish_config()
         self._quick_deaths = 0
         self.m.worker_up.set(1)
@@ -258,6 +223,20 @@ class Service:
         the lossy knobs, since quality baselines must stay comparable across them)."""
         return fingerprint_id({"fingerprint": self.fingerprint, "knobs": self.knobs})
 
+    def _note_config(self, by: str) -> None:
+        """Tell the history which configuration serves now: the process's first is compared with the state file's
+        (a restart onto another one), a later one with the one before (``by``: a knob call, a restarted worker)."""
+        settings = {**{k: self.knobs.get(k) for k in self._overridable()},
+                    "fingerprint": fingerprint_id(self.fingerprint)}
+        if self._history_started:
+            change = self.history.knobs_changed(self.config_id(), settings, by)
+        else:
+            self._history_started = True
+            change = self.history.start(self.config_id(), settings)
+        if change is not None:
+            log.warning("configuration changed by %s: %s (config %s -> %s)", change.by, ", ".join(change.keys) or
+                        "no knob", change.previous_config_id, change.config_id)
+
     def publish_config(self) -> None:
         info = {"instance_id": self.instance_id, "fingerprint_id": fingerprint_id(self.fingerprint),
                 "config_id": self.config_id()}
@@ -266,6 +245,7 @@ class Service:
         # Info metrics keep old label sets; clear so only the current config shows.
         self.m.service_config.clear()
         self.m.service_config.info(info)
+        publish_change(self.m, self.history.last, (*self._overridable(), "fingerprint"))
         started = self.started_knobs or {}
         for k in self._overridable():
             self.m.service_knob_override_active.labels(knob=k).set(
@@ -558,6 +538,7 @@ class Service:
             reply = self._apply_knobs(new)
         self.knobs = reply["knobs"]
         self.fingerprint = reply["fingerprint"]
+        self._note_config("knob")
         self.publish_config()
         log.warning("admin knobs changed: %s -> %s (fingerprint %s, config %s)", before, self.knobs,
                     fingerprint_id(self.fingerprint), self.config_id())

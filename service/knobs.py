@@ -8,6 +8,9 @@ naming the knob (the server answers it as a 400).
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from stepwatch.exporter.shapes import ShapeKey
@@ -133,3 +136,42 @@ def _check_rank_delays(delays: dict[str, Any], ranks: int) -> None:
         if not (rank.isascii() and rank.isdigit()) or int(rank) >= ranks or not finite_nonneg(d):
             raise KnobError(f"rank_delay_seconds: rank {r!r} / delay {d!r} invalid (ranks: {ranks})",
                             "rank_delay_seconds")
+
+
+class KnobGate:
+    """Generations and knob calls take turns on the worker; a knob call waiting goes before the next generation.
+
+    A knob that re-warms (another cache kind, compile back on) runs for many seconds.  A generation sent
+    behind it would be timed as in flight all along, read as a stalled worker (a critical alert) and get
+    the worker restarted: found by the cache-off drill.  Generations wait in the queue instead, where
+    their wait is queue wait.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._knob_calls = 0
+        self._generating = False
+
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._knob_calls)
+            self._generating = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._generating = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def knobs(self) -> Iterator[None]:
+        with self._cond:
+            self._knob_calls += 1
+            self._cond.wait_for(lambda: not self._generating)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._knob_calls -= 1
+                self._cond.notify_all()

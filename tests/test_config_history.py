@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from stepwatch.service.config_history import STATE_FILE, ConfigHistory
 
@@ -61,3 +64,46 @@ def test_an_unreadable_state_file_starts_a_new_history(tmp_path: Path) -> None:
     h = ConfigHistory(tmp_path)
     assert h.start("aaa", {"k": 1}) is None
     assert '"config_id": "aaa"' in (tmp_path / STATE_FILE).read_text()
+
+
+# ----- the service's metrics, on the engine (its worker stood in for by ready messages) ---------------------
+def _service(state_dir: Path, threshold: float) -> tuple[Any, CollectorRegistry]:
+    from stepwatch.service.config import parse
+    from stepwatch.service.engine import Service
+
+    registry = CollectorRegistry()
+    svc = Service(parse({"warmup": [], "state_dir": str(state_dir),
+                         "cache": {"kind": "first_block_cache", "threshold": threshold}}), registry)
+    knobs = {"cache": "first_block_cache", "cache_threshold": threshold, "vae_tiling": True, "compile": False,
+             "attention_backend": "native"}
+    svc.on_worker_ready({"fingerprint": {"model": "practice"}, "knobs": knobs})  # type: ignore[typeddict-item]
+    return svc, registry
+
+
+def _changed(registry: CollectorRegistry) -> tuple[float | None, list[str], dict[str, str]]:
+    at = registry.get_sample_value("stepwatch_service_config_changed_timestamp_seconds")
+    keys = sorted(s.labels["key"] for fam in registry.collect() for s in fam.samples
+                  if s.name == "stepwatch_service_config_changed_key_active" and s.value == 1)
+    info = next((s.labels for fam in registry.collect() for s in fam.samples
+                 if s.name == "stepwatch_service_config_change_info"), {})
+    return at, keys, info
+
+
+def test_the_service_exports_a_rollout_by_restart_and_not_a_routine_restart(tmp_path: Path) -> None:
+    first, reg = _service(tmp_path, 0.7)
+    assert _changed(reg) == (0.0, [], {})  # nothing known before the first start
+    rolled, reg = _service(tmp_path, 1.2)  # the next process, on a YAML with the threshold raised
+    at, keys, info = _changed(reg)
+    assert at is not None and at > 0 and keys == ["cache_threshold"], (at, keys)
+    assert info["by"] == "restart" and info["previous_config_id"] == first.config_id() != rolled.config_id()
+    again, reg = _service(tmp_path, 1.2)  # a routine restart: the rollout stays the last change, at its time
+    assert _changed(reg) == (at, ["cache_threshold"], info)
+
+
+def test_a_knob_call_is_exported_with_its_key(tmp_path: Path) -> None:
+    svc, reg = _service(tmp_path, 0.7)
+    svc.knobs = {**svc.knobs, "cache": "mag_cache"}
+    svc._note_config("knob")
+    svc.publish_config()
+    at, keys, info = _changed(reg)
+    assert keys == ["cache"] and info["by"] == "knob" and at is not None and at > 0

@@ -10,7 +10,7 @@ import pytest
 
 from stepwatch.service import api
 from stepwatch.service.config import ConfigError, PoolConfig, load, parse
-from stepwatch.service.engine import KnobGate
+from stepwatch.service.knobs import KnobGate
 from stepwatch.service.queue import LedgerParams, Predictor, QueueFull, Scheduler
 
 
