@@ -96,7 +96,7 @@ def test_the_service_exports_a_rollout_by_restart_and_not_a_routine_restart(tmp_
     at, keys, info = _changed(reg)
     assert at is not None and at > 0 and keys == ["cache_threshold"], (at, keys)
     assert info["by"] == "restart" and info["previous_config_id"] == first.config_id() != rolled.config_id()
-    again, reg = _service(tmp_path, 1.2)  # a routine restart: the rollout stays the last change, at its time
+    _, reg = _service(tmp_path, 1.2)  # a routine restart: the rollout stays the last change, at its time
     assert _changed(reg) == (at, ["cache_threshold"], info)
 
 
