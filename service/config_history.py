@@ -1,19 +1,20 @@
-"""What changed in the service's configuration, and when: by a knob, or by a restart onto another config.
+"""Configuration rolled out by restart: which start-up configuration the service runs, and since when.
 
-``stepwatch_service_knob_override_active`` compares the knobs with the ones the service started with, so a
+``stepwatch_service_knob_override_active`` compares the knobs with the ones this process started with, so a
 configuration rolled out by restart (a raised cache threshold in the YAML, say) looks like no change at all,
-and triage then blames the prompt mix.  The service therefore remembers its last configuration in a small
-state file (``state_dir``; without one, only knob changes are known) and, at start and on every knob call,
-compares the new configuration with the one before:
+and triage then blamed the prompt mix and advised capturing a new baseline, which would bake the bad
+setting in.  The service therefore keeps its start-up configuration in a small state file (``state_dir``,
+a directory that outlives the process) and, at start, compares it with the previous process's:
 
-- ``by``: ``restart`` (the previous process ran another configuration), ``knob`` (an admin call), or
-  ``worker_restart`` (a restarted worker is back on the start-up knobs);
-- ``keys``: the knobs (and ``fingerprint`` for the deployment's identity) that differ;
-- ``at``: when the change took effect (unix seconds).
+- another start-up configuration: a rollout, with the keys that differ (the knobs, and ``fingerprint`` for
+  the deployment itself: model, weights, dtype) and the time it took effect;
+- the same one (a routine restart): no rollout, and the last one stays what it was, at its own time, so a
+  restart neither hides a recent rollout nor looks like one.
 
-A knob set and then restored is two changes, the second back to the first's configuration: the record keeps
-the last one, so "did the cache threshold change" reads the latest difference, not the window's history
-(Prometheus keeps that).
+Knob calls are not rollouts: they are runtime overrides, and the knob gauge reports them against the start-up
+value (a knob set and restored reads unchanged); a restart that drops an override is no rollout either, since
+the start-up configuration is the same.  Without a state directory nothing is compared: a rollout onto a
+fresh pod is known only from Prometheus' own history of ``stepwatch_service_config_info``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,9 @@ STATE_FILE = "config-history.json"
 
 
 @dataclass(frozen=True)
-class Change:
-    """The last configuration change: how, which keys, when, and the config ids on either side."""
+class Rollout:
+    """A restart onto another start-up configuration: which keys differ, when, and the config ids."""
 
-    by: str
     keys: tuple[str, ...]
     at: float
     previous_config_id: str
@@ -47,36 +47,28 @@ class Change:
 
 @dataclass
 class ConfigHistory:
-    """The current configuration and its last change; persisted to ``state_dir`` when one is given."""
+    """The start-up configuration and the last rollout; persisted to ``state_dir`` when one is given."""
 
     state_dir: Path | None = None
     clock: Callable[[], float] = time.time
-    config_id: str | None = None
-    settings: dict[str, Any] = field(default_factory=dict)
-    last: Change | None = None
+    last: Rollout | None = None
 
-    def start(self, config_id: str, settings: dict[str, Any]) -> Change | None:
-        """The service's first configuration: a change ``by="restart"`` when the state file says the previous
-        process ran another one (None without a state file, or when it is the same)."""
+    def start(self, config_id: str, settings: dict[str, Any]) -> Rollout | None:
+        """This process's start-up configuration: the rollout it is (None when it is the previous process's
+        configuration, or when nothing is known of one); ``last`` is then the latest rollout known."""
         previous = self._load()
-        self.config_id, self.settings = config_id, dict(settings)
         if previous is not None and previous.get("config_id") != config_id:
-            self.last = Change("restart", _differing(previous.get("settings", {}), settings), self.clock(),
-                               str(previous.get("config_id")), config_id)
-        elif previous is not None and previous.get("last"):
-            self.last = Change(**{**previous["last"], "keys": tuple(previous["last"]["keys"])})
-        self._save()
-        return self.last if self.last is not None and self.last.config_id == config_id else None
-
-    def knobs_changed(self, config_id: str, settings: dict[str, Any], by: str = "knob") -> Change | None:
-        """A knob call (or a restarted worker, back on the start-up knobs: ``by="worker_restart"``) produced
-        ``config_id``: the change, or None when the configuration is the same."""
-        if config_id == self.config_id:
-            return None
-        change = Change(by, _differing(self.settings, settings), self.clock(), str(self.config_id), config_id)
-        self.config_id, self.settings, self.last = config_id, dict(settings), change
-        self._save()
-        return change
+            self.last = Rollout(_differing(previous.get("settings", {}), settings), self.clock(),
+                                str(previous.get("config_id")), config_id)
+            self._save(config_id, settings)
+            return self.last
+        if previous is not None and isinstance(previous.get("last"), dict):
+            try:
+                self.last = Rollout(**{**previous["last"], "keys": tuple(previous["last"]["keys"])})
+            except (TypeError, KeyError):
+                log.warning("config history: the last rollout in the state file is malformed; dropped")
+        self._save(config_id, settings)
+        return None
 
     # ----- the state file -------------------------------------------------------------------
     def _path(self) -> Path | None:
@@ -93,12 +85,12 @@ class ConfigHistory:
             return None
         return data if isinstance(data, dict) else None
 
-    def _save(self) -> None:
+    def _save(self, config_id: str, settings: dict[str, Any]) -> None:
         path = self._path()
         if path is None:
             return
-        last = None if self.last is None else {**self.last.__dict__, "keys": list(self.last.keys)}
-        data = {"config_id": self.config_id, "settings": self.settings, "last": last}
+        last = None if self.last is None else {**asdict(self.last), "keys": list(self.last.keys)}
+        data = {"config_id": config_id, "settings": settings, "last": last}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -112,14 +104,14 @@ def _differing(before: dict[str, Any], after: dict[str, Any]) -> tuple[str, ...]
     return tuple(sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)))
 
 
-def publish_change(m: ServiceMetrics, change: Change | None, keys: tuple[str, ...]) -> None:
-    """The last change as metrics: its time (0: none known), which of ``keys`` differed, and how (an info
-    series: by, previous_config_id, config_id).  ``keys`` is fixed per service (its knobs and ``fingerprint``),
-    so the label stays bounded whatever a change holds."""
-    m.service_config_changed_timestamp_seconds.set(change.at if change else 0.0)
+def publish_rollout(m: ServiceMetrics, rollout: Rollout | None, keys: tuple[str, ...]) -> None:
+    """The last rollout as metrics: its time (0: none known), which of ``keys`` differed, and the config ids on
+    either side (an info series).  ``keys`` is fixed per service (its knobs and ``fingerprint``), so the label
+    stays bounded whatever a rollout holds."""
+    m.service_config_rollout_timestamp_seconds.set(rollout.at if rollout else 0.0)
     for k in keys:
-        m.service_config_changed_key_active.labels(key=k).set(int(change is not None and k in change.keys))
-    m.service_config_change.clear()
-    if change is not None:
-        m.service_config_change.info({"by": change.by, "previous_config_id": change.previous_config_id,
-                                      "config_id": change.config_id})
+        m.service_config_rollout_key_active.labels(key=k).set(int(rollout is not None and k in rollout.keys))
+    m.service_config_rollout.clear()
+    if rollout is not None:
+        m.service_config_rollout.info({"previous_config_id": rollout.previous_config_id,
+                                       "config_id": rollout.config_id})

@@ -32,7 +32,7 @@ from stepwatch.exposition import Renderer
 from stepwatch.metrics import ServiceMetrics
 from stepwatch.service import api, knobs
 from stepwatch.service.config import PoolConfig, ServiceConfig, parse_size
-from stepwatch.service.config_history import ConfigHistory, publish_change
+from stepwatch.service.config_history import ConfigHistory, publish_rollout
 from stepwatch.service.fingerprint import fingerprint_id
 from stepwatch.service.jobs import Job, VideoJobs, model_name
 from stepwatch.service.knobs import KnobGate
@@ -176,7 +176,7 @@ class Service:
             self.predictor.ledger = LedgerParams(lp["p_tok"], lp["layers"], lp["hidden"], (pf, ph, pw),
                                                  lp["cross_attention"], lp["vae_scale"], lp["text_tokens"])
         self._prime_predictor(msg)
-        self._note_config("worker_restart")
+        self._note_startup_config()
         self.publish_config()
         self._quick_deaths = 0
         self.m.worker_up.set(1)
@@ -223,19 +223,18 @@ class Service:
         the lossy knobs, since quality baselines must stay comparable across them)."""
         return fingerprint_id({"fingerprint": self.fingerprint, "knobs": self.knobs})
 
-    def _note_config(self, by: str) -> None:
-        """Tell the history which configuration serves now: the process's first is compared with the state file's
-        (a restart onto another one), a later one with the one before (``by``: a knob call, a restarted worker)."""
+    def _note_startup_config(self) -> None:
+        """The first ready worker's configuration is the process's start-up one: compared with the previous
+        process's (service/config_history.py), so a restart onto another configuration is a known rollout."""
+        if self._history_started:
+            return
+        self._history_started = True
         settings = {**{k: self.knobs.get(k) for k in self._overridable()},
                     "fingerprint": fingerprint_id(self.fingerprint)}
-        if self._history_started:
-            change = self.history.knobs_changed(self.config_id(), settings, by)
-        else:
-            self._history_started = True
-            change = self.history.start(self.config_id(), settings)
-        if change is not None:
-            log.warning("configuration changed by %s: %s (config %s -> %s)", change.by, ", ".join(change.keys) or
-                        "no knob", change.previous_config_id, change.config_id)
+        rollout = self.history.start(self.config_id(), settings)
+        if rollout is not None:
+            log.warning("configuration rolled out by restart: %s (config %s -> %s)", ", ".join(rollout.keys),
+                        rollout.previous_config_id, rollout.config_id)
 
     def publish_config(self) -> None:
         info = {"instance_id": self.instance_id, "fingerprint_id": fingerprint_id(self.fingerprint),
@@ -245,7 +244,7 @@ class Service:
         # Info metrics keep old label sets; clear so only the current config shows.
         self.m.service_config.clear()
         self.m.service_config.info(info)
-        publish_change(self.m, self.history.last, (*self._overridable(), "fingerprint"))
+        publish_rollout(self.m, self.history.last, (*self._overridable(), "fingerprint"))
         started = self.started_knobs or {}
         for k in self._overridable():
             self.m.service_knob_override_active.labels(knob=k).set(
@@ -538,7 +537,6 @@ class Service:
             reply = self._apply_knobs(new)
         self.knobs = reply["knobs"]
         self.fingerprint = reply["fingerprint"]
-        self._note_config("knob")
         self.publish_config()
         log.warning("admin knobs changed: %s -> %s (fingerprint %s, config %s)", before, self.knobs,
                     fingerprint_id(self.fingerprint), self.config_id())

@@ -175,16 +175,14 @@ METRICS: tuple[MetricDef, ...] = (
     _m("stepwatch_service_ready", "gauge", "1 once warm-up finished.", (), "service"),
     _m("stepwatch_service_config", "info",
        "Runtime knobs and the deployment fingerprint of the service.", (), "service"),
-    _m("stepwatch_service_config_changed_timestamp_seconds", "gauge",
-       "Unix time of the last configuration change this service knows of: a knob call, a restarted worker back on "
-       "the start-up knobs, or a restart onto another configuration (known across restarts with state_dir); "
-       "0: none known.", (), "service"),
-    _m("stepwatch_service_config_changed_key_active", "gauge",
-       "1 for each knob (or fingerprint, the deployment itself) that differed in the last configuration change, "
+    _m("stepwatch_service_config_rollout_timestamp_seconds", "gauge",
+       "Unix time the service last restarted onto another start-up configuration (a rollout; known across "
+       "restarts with state_dir; a routine restart keeps the last one's time); 0: none known.", (), "service"),
+    _m("stepwatch_service_config_rollout_key_active", "gauge",
+       "1 for each knob (or fingerprint, the deployment itself) whose start-up value the last rollout changed, "
        "0 for the others.", ("key",), "service"),
-    _m("stepwatch_service_config_change", "info",
-       "How the last configuration change came (by: knob, worker_restart, restart) and the config ids on either "
-       "side of it; absent while none is known.", (), "service"),
+    _m("stepwatch_service_config_rollout", "info",
+       "The config ids before and after the last rollout; absent while none is known.", (), "service"),
     _m("stepwatch_service_knob_override_active", "gauge",
        "1 while a runtime knob (cache, cache_threshold, vae_tiling, compile, attention_backend) differs from the "
        "value the service started with; 0 again once it is restored.", ("knob",), "service"),

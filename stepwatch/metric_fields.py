@@ -78,9 +78,9 @@ class ServiceFields:
     worker_expected_seconds: Gauge
     service_ready: Gauge
     service_config: Info
-    service_config_changed_timestamp_seconds: Gauge
-    service_config_changed_key_active: Gauge
-    service_config_change: Info
+    service_config_rollout_timestamp_seconds: Gauge
+    service_config_rollout_key_active: Gauge
+    service_config_rollout: Info
     service_knob_override_active: Gauge
     video_jobs_created_total: Counter
     video_jobs_finished_total: Counter

@@ -1,4 +1,4 @@
-"""The service's configuration history: a knob change, a restart onto another config, a restart onto the same."""
+"""Rollouts by restart: a restart onto another start-up configuration is one, a routine restart is not."""
 
 from __future__ import annotations
 
@@ -18,42 +18,29 @@ class Clock:
         return self.t
 
 
-def test_a_restart_onto_a_raised_threshold_is_a_change_naming_the_key(tmp_path: Path) -> None:
+def test_a_restart_onto_a_raised_threshold_is_a_rollout_naming_the_key(tmp_path: Path) -> None:
     clock = Clock()
     first = ConfigHistory(tmp_path, clock)
     assert first.start("aaa", {"cache": "fbc", "cache_threshold": 0.7}) is None  # nothing before it
     clock.t = 2000.0
     second = ConfigHistory(tmp_path, clock)  # the next process, on a rolled-out YAML
-    change = second.start("bbb", {"cache": "fbc", "cache_threshold": 1.2})
-    assert change is not None and (change.by, change.keys, change.at) == ("restart", ("cache_threshold",), 2000.0)
-    assert (change.previous_config_id, change.config_id) == ("aaa", "bbb")
+    rollout = second.start("bbb", {"cache": "fbc", "cache_threshold": 1.2})
+    assert rollout is not None and (rollout.keys, rollout.at) == (("cache_threshold",), 2000.0)
+    assert (rollout.previous_config_id, rollout.config_id) == ("aaa", "bbb")
 
 
-def test_a_routine_restart_is_no_change_and_keeps_the_last_one(tmp_path: Path) -> None:
+def test_a_routine_restart_is_no_rollout_and_keeps_the_last_one_at_its_time(tmp_path: Path) -> None:
     clock = Clock()
     ConfigHistory(tmp_path, clock).start("aaa", {"cache_threshold": 0.7})
     clock.t = 2000.0
     ConfigHistory(tmp_path, clock).start("bbb", {"cache_threshold": 1.2})
     clock.t = 3000.0
     third = ConfigHistory(tmp_path, clock)
-    change = third.start("bbb", {"cache_threshold": 1.2})  # restarted, same config: the rollout is still the last
-    assert change is not None and change.by == "restart" and change.at == 2000.0
+    assert third.start("bbb", {"cache_threshold": 1.2}) is None
+    assert third.last is not None and third.last.at == 2000.0 and third.last.keys == ("cache_threshold",)
 
 
-def test_a_knob_then_its_restore_are_two_changes_the_last_one_back(tmp_path: Path) -> None:
-    clock = Clock()
-    h = ConfigHistory(tmp_path, clock)
-    h.start("aaa", {"cache_threshold": 0.7})
-    clock.t = 1100.0
-    up = h.knobs_changed("ccc", {"cache_threshold": 2.0})
-    assert up is not None and (up.by, up.keys, up.previous_config_id) == ("knob", ("cache_threshold",), "aaa")
-    assert h.knobs_changed("ccc", {"cache_threshold": 2.0}) is None  # the same again: no change
-    clock.t = 1200.0
-    back = h.knobs_changed("aaa", {"cache_threshold": 0.7})
-    assert back is not None and back.config_id == "aaa" and back.at == 1200.0
-
-
-def test_without_a_state_dir_only_knob_changes_are_known(tmp_path: Path) -> None:
+def test_without_a_state_dir_nothing_is_compared(tmp_path: Path) -> None:
     assert ConfigHistory(None).start("aaa", {"k": 1}) is None
     assert ConfigHistory(None).start("bbb", {"k": 2}) is None  # a restart cannot be told apart
     assert not (tmp_path / STATE_FILE).exists()
@@ -64,9 +51,14 @@ def test_an_unreadable_state_file_starts_a_new_history(tmp_path: Path) -> None:
     h = ConfigHistory(tmp_path)
     assert h.start("aaa", {"k": 1}) is None
     assert '"config_id": "aaa"' in (tmp_path / STATE_FILE).read_text()
+    (tmp_path / STATE_FILE).write_text('{"config_id": "aaa", "settings": {}, "last": {"keys": 3}}')
+    assert ConfigHistory(tmp_path).start("aaa", {"k": 1}) is None  # a malformed last rollout is dropped
 
 
 # ----- the service's metrics, on the engine (its worker stood in for by ready messages) ---------------------
+KNOBS = {"cache": "first_block_cache", "vae_tiling": True, "compile": False, "attention_backend": "native"}
+
+
 def _service(state_dir: Path, threshold: float) -> tuple[Any, CollectorRegistry]:
     from stepwatch.service.config import parse
     from stepwatch.service.engine import Service
@@ -74,36 +66,35 @@ def _service(state_dir: Path, threshold: float) -> tuple[Any, CollectorRegistry]
     registry = CollectorRegistry()
     svc = Service(parse({"warmup": [], "state_dir": str(state_dir),
                          "cache": {"kind": "first_block_cache", "threshold": threshold}}), registry)
-    knobs = {"cache": "first_block_cache", "cache_threshold": threshold, "vae_tiling": True, "compile": False,
-             "attention_backend": "native"}
-    svc.on_worker_ready({"fingerprint": {"model": "practice"}, "knobs": knobs})  # type: ignore[typeddict-item]
+    ready = {"fingerprint": {"model": "practice"}, "knobs": {**KNOBS, "cache_threshold": threshold}}
+    svc.on_worker_ready(ready)  # type: ignore[arg-type]
     return svc, registry
 
 
-def _changed(registry: CollectorRegistry) -> tuple[float | None, list[str], dict[str, str]]:
-    at = registry.get_sample_value("stepwatch_service_config_changed_timestamp_seconds")
+def _rollout(registry: CollectorRegistry) -> tuple[float | None, list[str], dict[str, str]]:
+    at = registry.get_sample_value("stepwatch_service_config_rollout_timestamp_seconds")
     keys = sorted(s.labels["key"] for fam in registry.collect() for s in fam.samples
-                  if s.name == "stepwatch_service_config_changed_key_active" and s.value == 1)
-    info = next((s.labels for fam in registry.collect() for s in fam.samples
-                 if s.name == "stepwatch_service_config_change_info"), {})
+                  if s.name == "stepwatch_service_config_rollout_key_active" and s.value == 1)
+    info = next((dict(s.labels) for fam in registry.collect() for s in fam.samples
+                 if s.name == "stepwatch_service_config_rollout_info"), {})
     return at, keys, info
 
 
-def test_the_service_exports_a_rollout_by_restart_and_not_a_routine_restart(tmp_path: Path) -> None:
+def test_the_service_exports_a_rollout_and_not_a_routine_restart(tmp_path: Path) -> None:
     first, reg = _service(tmp_path, 0.7)
-    assert _changed(reg) == (0.0, [], {})  # nothing known before the first start
+    assert _rollout(reg) == (0.0, [], {})  # nothing known before the first start
     rolled, reg = _service(tmp_path, 1.2)  # the next process, on a YAML with the threshold raised
-    at, keys, info = _changed(reg)
+    at, keys, info = _rollout(reg)
     assert at is not None and at > 0 and keys == ["cache_threshold"], (at, keys)
-    assert info["by"] == "restart" and info["previous_config_id"] == first.config_id() != rolled.config_id()
-    _, reg = _service(tmp_path, 1.2)  # a routine restart: the rollout stays the last change, at its time
-    assert _changed(reg) == (at, ["cache_threshold"], info)
+    assert info == {"previous_config_id": first.config_id(), "config_id": rolled.config_id()}
+    _, reg = _service(tmp_path, 1.2)  # a routine restart: the rollout stays the last, at its time
+    assert _rollout(reg) == (at, ["cache_threshold"], info)
 
 
-def test_a_knob_call_is_exported_with_its_key(tmp_path: Path) -> None:
+def test_a_knob_call_and_a_worker_restart_are_no_rollout(tmp_path: Path) -> None:
     svc, reg = _service(tmp_path, 0.7)
     svc.knobs = {**svc.knobs, "cache": "mag_cache"}
-    svc._note_config("knob")
     svc.publish_config()
-    at, keys, info = _changed(reg)
-    assert keys == ["cache"] and info["by"] == "knob" and at is not None and at > 0
+    svc.on_worker_ready({"fingerprint": {"model": "practice"}, "knobs": {**KNOBS, "cache_threshold": 0.7}})
+    assert _rollout(reg) == (0.0, [], {})
+    assert reg.get_sample_value("stepwatch_service_knob_override_active", {"knob": "cache"}) == 0  # restored
