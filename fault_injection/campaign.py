@@ -59,7 +59,7 @@ def by_stack(names: list[str], compile_backend: str | None = None) -> dict[Stack
     session every few seconds beside another drill's CPU fault could stall streams that drill does not expect.
     """
     out: dict[StackKey, list[str]] = {}
-    for n in names:
+    for n in sorted(names, key=lambda n: DRILLS[n].runs_last):  # stable: the given order, runs_last ones after
         ranks = DRILLS[n].needs_ranks
         out.setdefault((ranks, "" if ranks > 1 else compile_backend or "", DRILLS[n].stream_probe), []).append(n)
     return out

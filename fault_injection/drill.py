@@ -87,6 +87,7 @@ class Drill:
     # Whether its alerts or its triage read the calibrated per-shape baselines: a stack whose drills all say no
     # skips the calibration (70 s of steady traffic; each drill still waits for its own steady traffic).
     reads_baselines = True
+    runs_last = False  # it leaves something behind that a later drill on its stack would read (campaign.by_stack)
     stream_probe = False  # its alert reads the sidecar's drift probe: the stack runs it (LocalStack.stream_probe)
     fleet = False  # it runs on the practice fleet (fault_injection/fleet.py), not on a one-instance stack
     health_turns_red = False  # the fault itself makes /readyz (or /healthz) fail: checked, not a failure

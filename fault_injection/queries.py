@@ -139,6 +139,11 @@ def cardinality_queries() -> dict[str, str]:
     return {"series_per_target": series_per_target(), "series_per_family": series_per_family()}
 
 
+def rollout_keys() -> str:
+    """The knobs (or ``fingerprint``) the last rollout by restart changed, one series per key."""
+    return sel("stepwatch_service_config_rollout_key_active") + " == 1"
+
+
 def drill_queries(window: str) -> dict[str, str]:
     """Every query the drills and the baseline calibration run, by name, for one rate window."""
     out = {"mean_step": mean_step(window), "step_by_shape": step_by_shape(window),
@@ -150,7 +155,8 @@ def drill_queries(window: str) -> dict[str, str]:
            "pipeline_cpu_starved": pipeline_cpu_starved(window),
            "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(),
            "agents_up": agents_up(),
-           "requests_ok_by_instance": requests_ok_by_instance(), "up_samples": up_samples(window)}
+           "requests_ok_by_instance": requests_ok_by_instance(), "up_samples": up_samples(window),
+           "rollout_keys": rollout_keys()}
     for name, q in LATENCY_QUANTILES.items():
         out[f"request_{name}"] = request_quantile(q, window)
     return out

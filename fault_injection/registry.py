@@ -1,7 +1,7 @@
 """Every drill by name: the seeds' three (fault_injection/seed_drills.py), the ones beyond them on the worker's
 capacity and ranks (fault_injection/worker_drills.py), the rival faults (fault_injection/rivals.py), the video and
 few-step ones (fault_injection/video_drills.py), the streaming ones (fault_injection/stream_drills.py),
-the fleet ones (fault_injection/fleet_drills.py).
+the fleet ones (fault_injection/fleet_drills.py), the day-two ones (fault_injection/day_two.py).
 
 ``stepwatch drill`` and the scenario recorder read the drills from here; each drill's alerts, cause and
 knob values come from its block in runbooks/drills.md.
@@ -9,6 +9,7 @@ knob values come from its block in runbooks/drills.md.
 
 from __future__ import annotations
 
+from stepwatch.fault_injection.day_two import DAY_TWO_DRILLS
 from stepwatch.fault_injection.drill import Drill
 from stepwatch.fault_injection.fleet_drills import FLEET_DRILLS
 from stepwatch.fault_injection.rivals import RIVALS
@@ -21,7 +22,7 @@ SEED_FAULTS: tuple[type[Drill], ...] = (CacheThreshold, OffMenuResolution, VaeTi
                                         StragglerNeighbour, WorkerStall)
 # The rivals last: gpu-throttle must be the last drill on its stack (its throttle stays in the look-back).
 DRILLS: dict[str, type[Drill]] = {d.name: d for d in (*SEED_FAULTS, *VIDEO_DRILLS, *STREAM_DRILLS, *FLEET_DRILLS,
-                                                     *RIVALS)}
+                                                     *DAY_TWO_DRILLS, *RIVALS)}
 SEED_DRILLS = ("cache-threshold", "off-menu-resolution", "vae-tiling-oom")
 # ``stepwatch demo``: the seeds' three and one rival that fires an alert cache-threshold also fires
 # (CacheHitRateShift), with another cause: triage must tell the two apart.

@@ -138,6 +138,7 @@ class Runner:
             return r
         w = _Watch()
         if self.baselines:
+            self.stack.baselines = self.baselines
             _attempt(r, "publishing the baselines", lambda: self.stack.knobs(baselines={"shapes": self.baselines}))
         with self.stack.traffic(drill.baseline_traffic(), concurrency=2) as traffic:
             if not self._steady(drill, r, w, self.criteria.steady_s if steady_s is None else steady_s):

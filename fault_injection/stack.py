@@ -104,6 +104,9 @@ class LocalStack:
         self.started = 0.0
         self.prometheus_started = 0.0  # the first scrape: event queries need one rate window of history after it
         self.active_traffic: Traffic | None = None  # the steady client load running now (stack.traffic())
+        # The per-shape baselines last published (the drill runner's calibrated ones): a restart publishes them
+        # again, as a rollout keeps its baseline file.
+        self.baselines: dict[str, Any] = {}
 
     # ----- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> LocalStack:
@@ -158,17 +161,21 @@ class LocalStack:
             cfg["compile"] = {**cfg.get("compile", {}), "backend": self.compile_backend}
         if self.ranks > 1:
             cfg["ranks"] = self.ranks
+        # The last start-up configuration, kept across restarts: a restart onto another one is a rollout.
+        cfg.setdefault("state_dir", str(self.workdir / "service-state"))
         return cfg
 
     def restart_service(self, timeout: float = 600.0) -> None:
         """Stop the practice service and start it again on the same port, as a rollout restarts a pod.
 
-        Its counters start again from zero and its runtime knobs (baselines included) are gone, as on
-        any restart: the caller publishes baselines again.
+        Its counters start again from zero and its runtime knobs are gone, as on any restart; the
+        baselines last published (``baselines``) are published again once it is ready.
         """
         self._stop_child("service")
         svc, _ = self._start_service(port=int(self.service_url.rsplit(":", 1)[1]))
         self._wait(lambda: self._ready(), "service (restarted)", time.time() + timeout, child=svc)
+        if self.baselines:
+            self.knobs(baselines={"shapes": self.baselines})
 
     def crash(self, name: str) -> None:
         """Kill a child (``service`` with its worker, ``sidecar``) with SIGKILL; ``restart_*`` brings it back.

@@ -225,12 +225,14 @@ def test_judge_and_follow(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
     assert hits.judge([], th) == "unknown"
     assert rb.check("cache_kind").judge([0.0], th) == "healthy"
     assert rb.check("cache_kind").judge([float("nan")], th) == "unknown"
-    outcomes = {"fingerprint": "healthy", "one_instance": "healthy", "hits_up": "unhealthy"}
+    outcomes = {"fingerprint": "healthy", "one_instance": "healthy", "rolled_out": "healthy", "hits_up": "unhealthy"}
     cause, trail = parse.follow(rb, lambda c: outcomes[c.id])  # type: ignore[return-value]
     assert cause == "cache_threshold_too_high"
     assert [(s.check.id, s.outcome, s.goes_to) for s in trail] == [
-        ("fingerprint", "healthy", "next"), ("one_instance", "healthy", "next"),
+        ("fingerprint", "healthy", "next"), ("one_instance", "healthy", "next"), ("rolled_out", "healthy", "next"),
         ("hits_up", "unhealthy", "cache_threshold_too_high")]
+    cause, _ = parse.follow(rb, lambda c: {**outcomes, "rolled_out": "unhealthy"}[c.id])  # type: ignore[return-value]
+    assert cause == "config_changed"  # a rollout is named before the hit rate it raised
     # A jump: hit rate below baseline goes straight to "is the cache running?".
     shift = runbooks["StepwatchCacheHitRateShift"]
     cause, trail = parse.follow(shift, lambda c: "healthy" if c.id == "direction" else "unhealthy")
@@ -239,9 +241,13 @@ def test_judge_and_follow(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
     up = {"direction": "unhealthy", "distilled": "healthy", "knob_up": "healthy", "kind_up": "unhealthy"}
     cause, trail = parse.follow(shift, lambda c: up[c.id])  # type: ignore[return-value]
     assert cause == "config_changed" and [s.check.id for s in trail] == list(up)
-    # Nothing changed on the instance: the prompts did.
-    cause, _ = parse.follow(shift, lambda c: {**up, "kind_up": "healthy"}[c.id])  # type: ignore[return-value]
+    # Nothing changed on the instance, by knob or by rollout: the prompts did.
+    quiet = {**up, "kind_up": "healthy", "rolled_out": "healthy"}
+    cause, _ = parse.follow(shift, lambda c: quiet[c.id])  # type: ignore[return-value]
     assert cause == "prompt_mix_shift"
+    # The knobs as the process started, but the process started on a rolled-out threshold.
+    cause, trail = parse.follow(shift, lambda c: {**quiet, "rolled_out": "unhealthy"}[c.id])  # type: ignore[return-value]
+    assert cause == "config_changed" and [s.check.id for s in trail][-1] == "rolled_out"
 
 
 def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
@@ -263,7 +269,9 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       # the practice fleet
                                       "replica_lost", "alertmanager_peer_lost", "central_store_outage",
                                       "bad_instance", "replica_gpu_throttle", "replica_config_drift", "rolling_update",
-                                      "node_lost", "agent_lost", "pool_short"]
+                                      "node_lost", "agent_lost", "pool_short",
+                                      # day-two operations
+                                      "config_rollout"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:
@@ -271,7 +279,7 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
         for alert, cause in d.also.items():  # an alert in hand: its runbook (or its join) can reach the cause
             assert alert != d.alerts[0] and th.by_name(alert) is not None, (d.id, alert)
             assert cause in CAUSES, (d.id, alert, cause)
-    assert sum(len(d.also) for d in drills) == 36
+    assert sum(len(d.also) for d in drills) == 37
 
 
 @pytest.mark.parametrize("also, message", [

@@ -1,0 +1,84 @@
+"""Day-two operations as drills: what a production service goes through on an ordinary day.
+
+A configuration rolled out by restart is the first: no knob call, so the knob gauges (against the start-up
+values) read unchanged, and before the service kept its start-up configuration across restarts
+(service/config_history.py) triage blamed the prompt mix and advised a new baseline, which would have
+baked the bad setting in.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from stepwatch.fault_injection import queries
+from stepwatch.fault_injection.drill import Drill, DrillResult
+from stepwatch.fault_injection.stack import DRILL_SERVICE, LocalStack
+
+
+def merged(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``change`` laid over it, nested mappings merged key by key (a YAML edit of a few keys)."""
+    out = copy.deepcopy(base)
+    for k, v in change.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+class ConfigRollout(Drill):
+    """The drill block's ``inject.config`` laid over the service's YAML, and the service restarted on it."""
+
+    name = "config-rollout"
+    doc_id = "config_rollout"
+    # In place once the restarted service serves on the new configuration (its warm-up is the rollout's).
+    in_place_when_injected = True
+    health_turns_red = True  # the restart: /healthz refuses while the process is down
+    baseline_accepts = frozenset({0, 200, 503})  # refused while down, 503 while it warms up
+    companions = ("quality_drop", "probe_failing", "error_ratio")
+    # Its rollback is a rollout too: within the change look-back, a later drill's CacheHitRateShift on the same
+    # stack would read as config_changed.  campaign.by_stack runs it after the others of its stack.
+    runs_last = True
+    description = ("A configuration rolled out by restart: the YAML's cache threshold raised and the service "
+                   "restarted on it, no knob call. The knob gauges read unchanged; triage must name the "
+                   "rollout (config_changed, with the key), not the prompt mix, and advise no new baseline.")
+
+    def inject(self, stack: LocalStack, r: DrillResult) -> None:
+        change = dict(self.spec.inject.get("config") or {})
+        if not change:
+            raise RuntimeError("config-rollout: the drill block has no inject.config")
+        r.details["_overrides"] = copy.deepcopy(stack.service_overrides)
+        current = {**DRILL_SERVICE, **stack.service_overrides}
+        stack.service_overrides = {**stack.service_overrides, **{k: merged(current.get(k, {}), v)
+                                                                 if isinstance(v, dict) else v
+                                                                 for k, v in change.items()}}
+        r.notes.append(f"service YAML changed by {change}; restarting the service on it")
+        stack.restart_service()
+
+    def restore(self, stack: LocalStack, r: DrillResult) -> None:
+        stack.service_overrides = r.details.pop("_overrides", {})
+        stack.restart_service()
+
+    def while_firing(self, stack: LocalStack, r: DrillResult) -> None:
+        keys = sorted(s.label("key") for s in stack.prom.query(queries.rollout_keys()))
+        r.details["rollout_keys"] = keys
+        wanted = sorted(_leaf_knobs(self.spec.inject.get("config") or {}))
+        r.checks["rollout_names_the_keys"] = keys == wanted
+
+
+# The YAML's nesting of the knobs a rollout may change, by knob name (the service's config_id keys).
+_YAML_KNOBS = {("cache", "threshold"): "cache_threshold", ("cache", "kind"): "cache", ("vae_tiling",): "vae_tiling",
+               ("compile", "enabled"): "compile"}
+
+
+def _leaf_knobs(change: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[str]:
+    """The knob names a YAML change touches (``{cache: {threshold: 1.2}}`` -> ``["cache_threshold"]``)."""
+    out = []
+    for k, v in change.items():
+        path = (*prefix, k)
+        if isinstance(v, dict):
+            out += _leaf_knobs(v, path)
+        elif path in _YAML_KNOBS:
+            out.append(_YAML_KNOBS[path])
+    return out
+
+
+DAY_TWO_DRILLS: tuple[type[Drill], ...] = (ConfigRollout,)
