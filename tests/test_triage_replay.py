@@ -243,7 +243,7 @@ def committed_set() -> dict[str, Any]:
     faults = [sc for sc in scenarios if sc.get("expected_cause") is not None]
     return {"cases": len(scenarios), "faults": len(faults), "controls": len(scenarios) - len(faults),
             "false_alarms": sorted(sc["expected_alert"] for sc in scenarios if sc.get("kind") == "false_alarm"),
-            "fault_alerts": {sc["expected_alert"] for sc in faults}}
+            "fault_alerts": {sc["expected_alert"] for sc in faults}, "names": [sc["name"] for sc in scenarios]}
 
 
 def test_every_alert_has_exactly_one_false_alarm_and_faults_name_known_alerts() -> None:
@@ -290,6 +290,8 @@ def test_eval_over_committed_scenarios() -> None:
     assert len(rivals) >= 5, summary["per_alert"]
     assert sum(a["cases"] for a in summary["per_alert"].values()) == summary["faults"]
     assert "lookup baseline" in r.stdout and "AC@3" in r.stdout
+    day_two = [n for n in committed["names"] if n.startswith(scoring.DAY_TWO_PREFIXES)]
+    assert summary["day_two"]["cases"] == len(day_two) > 0 and summary["day_two"]["false_causes"] == 0
     for p in SCENARIOS.glob("*/scenario.yaml"):  # recorded on the current code, with the runbooks they met
         sc = load_scenario(p.parent)
         assert sc.get("runbooks_revision"), p.parent.name
@@ -321,6 +323,13 @@ def test_scores_have_exactly_the_issue_keys_and_count_cases() -> None:
     assert (s["cases"], s["faults"], s["controls"]) == (3, 2, 1)
     assert s["ac1"] == 0.5 and s["strict_precision"] == 0.5
     assert s["per_cause"] == {"x": {"cases": 1, "ac1": 1.0}, "y": {"cases": 1, "ac1": 0.0}}
+
+
+def test_day_two_scores_its_own_cases_only() -> None:
+    rollout = {**_fault("Shift", "config_changed", "config_changed"), "name": "config-rollout-1"}
+    restart = {**_control([["bad_instance", "high"]]), "name": "control-restart-1rank-3"}
+    s = scoring.summarize([rollout, restart, _fault("A", "x", "y"), _control([["z", "high"]])])
+    assert s["day_two"] == {"cases": 2, "ac1": 1.0, "false_causes": 1}
 
 
 def test_lookup_baseline_is_1_when_every_alert_has_one_cause() -> None:
