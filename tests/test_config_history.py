@@ -98,3 +98,12 @@ def test_a_knob_call_and_a_worker_restart_are_no_rollout(tmp_path: Path) -> None
     svc.on_worker_ready({"fingerprint": {"model": "practice"}, "knobs": {**KNOBS, "cache_threshold": 0.7}})
     assert _rollout(reg) == (0.0, [], {})
     assert reg.get_sample_value("stepwatch_service_knob_override_active", {"knob": "cache"}) == 0  # restored
+
+
+def test_a_state_dir_that_is_not_a_path_is_refused() -> None:
+    import pytest
+
+    from stepwatch.service.config import ConfigError, parse
+
+    with pytest.raises(ConfigError, match="state_dir"):
+        parse({"state_dir": 3})
