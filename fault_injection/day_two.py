@@ -31,8 +31,8 @@ class ConfigRollout(Drill):
     doc_id = "config_rollout"
     # In place once the restarted service serves on the new configuration (its warm-up is the rollout's).
     in_place_when_injected = True
-    health_turns_red = True  # the restart: /healthz refuses while the process is down
-    baseline_accepts = frozenset({0, 200, 503})  # refused while down, 503 while it warms up
+    # The restart is over when inject returns, so the watch that follows sees a healthy service throughout.
+    baseline_accepts = frozenset({0, 200, 503})  # the clients: refused while it is down, 503 while it warms up
     companions = ("quality_drop", "probe_failing", "error_ratio")
     # Its rollback is a rollout too: within the change look-back, a later drill's CacheHitRateShift on the same
     # stack would read as config_changed.  campaign.by_stack runs it after the others of its stack.
