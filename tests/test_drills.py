@@ -309,17 +309,11 @@ def test_seed_and_frozen_worker_drills_end_to_end(tmp_path: Path) -> None:
     _check(summary, names, tmp_path)
 
 
-@pytest.mark.heavy
-def test_collective_stall_drill(tmp_path: Path) -> None:
-    """The frozen rank on a two-rank stack: the other rank waits in a collective, the stall alert fires and
-    triage names the hang, not the starved CPU (a CPU check asked before the ranks says cpu_contention here).
-    The stragglers run by name and from their recordings (straggler 111 s, straggler-neighbour 111 s in the drill-all of
-    2026-12-06): the delayed rank's panels are test_dashboards' live rank test, the crowded rank's timing
-    test_service_ranks' pinned ranks beside a busy loop, their alert promtool's cases."""
-    names = ("worker-stall",)
-    rc, summary, log = _run_drills(list(names), tmp_path)
-    assert rc == 0, log
-    _check(summary, names, tmp_path)
+# The two-rank drills run by name and from their recordings, not here (the suite's 40 minutes): worker-stall
+# (107 s here; its readiness and restart are test_service_stall's on one rank, its collective_hang triage the
+# four worker-stall cases of the evaluation), straggler and straggler-neighbour (111 s each in the drill-all of
+# 2026-12-06; the delayed rank's panels are test_dashboards' live rank test, the crowded rank's timing
+# test_service_ranks' pinned ranks beside a busy loop, their alert promtool's cases).
 
 
 def test_a_variant_replaces_the_faults_values_and_nothing_else() -> None:

@@ -163,7 +163,7 @@ def test_ranking_weighs_checks_for_and_against() -> None:
     report = triage([qd], StubProm(rules), thresholds=TH)  # type: ignore[arg-type]
     d = report.incidents[0].diagnoses[0]
     assert d.cause == "cache_threshold_too_high" and d.confidence == "high"
-    assert d.path == ["fingerprint", "one_instance", "hits_up"]
+    assert d.path == ["fingerprint", "one_instance", "rolled_out", "hits_up"]
     top = d.candidates[0]
     assert top.cause == "cache_threshold_too_high" and top.reached
     assert [c.id for c in top.support] == ["hits_up", "cache_knob"]  # late_hits healthy: 0.6
