@@ -275,6 +275,9 @@ METRICS: tuple[MetricDef, ...] = (
        "1 when the baseline loaded and its checksums match.", ("probe_set",), "sidecar"),
     _m("stepwatch_quality_last_success_timestamp_seconds", "gauge",
        "Unix time of the last completed probe set.", ("probe_set",), "sidecar"),
+    _m("stepwatch_quality_target_not_ready_timestamp_seconds", "gauge",
+       "Unix time a probe run last found its target not ready (restarting or warming up, within the prober's "
+       "grace; 0: never): the probe-failing alert's no-success clock waits while it is.", ("probe_set",), "sidecar"),
     _m("stepwatch_quality_probe_interval_seconds", "gauge",
        "Current cadence of the probe set: seconds between runs (the probe-failing alert's clock).",
        ("probe_set",), "sidecar"),

@@ -113,6 +113,7 @@ class SidecarFields:
     quality_baseline_stale: Gauge
     quality_baseline_ok: Gauge
     quality_last_success_timestamp_seconds: Gauge
+    quality_target_not_ready_timestamp_seconds: Gauge
     quality_probe_interval_seconds: Gauge
     quality_stream_chunk_psnr_decibels: Gauge
     quality_stream_chunk_ssim_ratio: Gauge

@@ -107,7 +107,8 @@ def _read_lines(stream: object, lines: list[str]) -> None:
 def test_sidecar_process_serves_metrics_and_stops_on_sigterm(standin: StandIn, tmp_path: Path) -> None:
     ps = write(tmp_path / "ps.yaml", TINY)
     capture_baseline(standin.url, load_probe_set(ps), tmp_path / "b")
-    cfg = write(tmp_path / "sidecar.yaml", {"probe_set": "ps.yaml", "baseline_dir": "b", "interval_s": 0.5})
+    cfg = write(tmp_path / "sidecar.yaml", {"probe_set": "ps.yaml", "baseline_dir": "b", "interval_s": 0.5,
+                                                   "not_ready_grace_s": 2})
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "stepwatch.cli", "sidecar", "--target", standin.url,
                              "--port", "0", "--config", str(cfg)],
@@ -135,7 +136,7 @@ def test_sidecar_process_serves_metrics_and_stops_on_sigterm(standin: StandIn, t
         assert value(data, "stepwatch_quality_psnr_decibels", **lab, stat="p10") == float("inf")
         assert value(data, "stepwatch_quality_gate_decibels", probe_set="tiny") == 30.0
         assert not absent(data, "stepwatch_nvml_up")  # 0 here (no NVML), 1 on a GPU node
-        # The target dies: the sidecar keeps serving and counts the failure.
+        # The target dies: the sidecar keeps serving, and counts the failure once the 2-s restart grace is over.
         standin.stop()
         fails = ("stepwatch_quality_probe_failures_total", {"probe_set": "tiny", "reason": "connect"})
         while absent(data, fails[0], **fails[1]) or value(data, fails[0], **fails[1]) < 1:

@@ -149,7 +149,7 @@ def test_a_warming_service_is_neither_scored_nor_stale(standin: StandIn, registr
 def test_target_down_counts_failures_and_survives(standin: StandIn, registry: CollectorRegistry,
                                                   tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     capture_baseline(standin.url, SMALL, tmp_path)
-    p = make(standin, registry, tmp_path)
+    p = make(standin, registry, tmp_path, not_ready_grace_s=0)  # down at once: no restart grace
     assert p.run_once().status == "ok"
     standin.stop()
     with caplog.at_level(logging.WARNING, logger="stepwatch.sidecar.prober"):
@@ -166,10 +166,64 @@ def test_target_down_counts_failures_and_survives(standin: StandIn, registry: Co
     assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
 
 
+def test_a_restart_is_no_failure_and_no_staleness_within_the_grace(standin: StandIn, registry: CollectorRegistry,
+                                                                   tmp_path: Path) -> None:
+    """Nothing listening is a restart until the grace runs out: no failure counted, the not-ready time exported
+    (the probe-failing alert's no-success arm waits on it); past the grace it counts as failing."""
+    capture_baseline(standin.url, SMALL, tmp_path)
+    now = [1000.0]
+    p = make(standin, registry, tmp_path, not_ready_grace_s=60, wallclock=lambda: now[0])
+    assert p.run_once().status == "ok"
+    standin.stop()
+    now[0] = 1010.0
+    r = p.run_once()
+    assert r.status == "not_ready" and r.failures == {}
+    d = scrape(registry)
+    assert total(d, "stepwatch_quality_probe_failures_total") == 0
+    assert value(d, "stepwatch_quality_target_not_ready_timestamp_seconds", probe_set="default") >= 1010.0
+    now[0] = 1069.0
+    assert p.run_once().status == "not_ready"
+    now[0] = 1071.0
+    r = p.run_once()
+    assert r.status == "failed" and r.failures == {"connect": 1}
+    assert value(scrape(registry), "stepwatch_quality_probe_failures_total", probe_set="default",
+                 reason="connect") == 1
+
+
+def test_a_warm_up_past_the_grace_fails_and_ready_starts_a_new_spell(standin: StandIn, registry: CollectorRegistry,
+                                                                     tmp_path: Path) -> None:
+    capture_baseline(standin.url, SMALL, tmp_path)
+    now = [1000.0]
+    p = make(standin, registry, tmp_path, not_ready_grace_s=60, wallclock=lambda: now[0])
+    standin.ready = False
+    assert p.run_once().status == "not_ready"
+    now[0] = 1061.0
+    assert p.run_once().failures == {"not_ready": 1}
+    standin.ready = True
+    assert p.run_once().status == "ok"
+    standin.ready = False
+    now[0] = 1100.0
+    assert p.run_once().status == "not_ready"  # a new spell: its grace counts from now
+
+
+def test_a_set_cut_by_a_restart_is_no_failure(standin: StandIn, registry: CollectorRegistry, tmp_path: Path) -> None:
+    """The service goes away mid-set and then refuses connections (a restart): the cut probe is no failure,
+    nothing is exported as measured (the partial set is dropped).  Past the grace the same cut counts (below);
+    a 503 from a service that still answers ready counts at once (the bounded-reasons test)."""
+    capture_baseline(standin.url, SMALL, tmp_path)
+    p = make(standin, registry, tmp_path)
+    standin.die_after = 5
+    res = p.run_once()
+    assert res.status == "not_ready" and res.failures == {} and len(res.scored) == 5
+    d = scrape(registry)
+    assert total(d, "stepwatch_quality_probe_failures_total") == 0
+    assert value(d, "stepwatch_quality_probe_runs_total", probe_set="default") == 0
+
+
 def test_service_killed_mid_set_counts_the_failure(standin: StandIn, registry: CollectorRegistry,
                                                    tmp_path: Path) -> None:
     capture_baseline(standin.url, SMALL, tmp_path)
-    p = make(standin, registry, tmp_path)
+    p = make(standin, registry, tmp_path, not_ready_grace_s=0)  # killed for good: no restart grace
     standin.die_after = 5
     res = p.run_once()
     assert res.status == "partial" and len(res.scored) == 5

@@ -59,10 +59,16 @@ def _missed_probes(spec: AlertSpec) -> int:
 
 def _probe_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
     missed = _missed_probes(spec)
+    # The no-success arm waits while the target was seen restarting or warming up within as many intervals: the
+    # prober measures nothing then and counts no failure (exporter/sidecar/prober.py, its not-ready grace).
     return (events("stepwatch_quality_probe_failures_total", need_window(spec, profile), spec.threshold)
             + "\nor\n  (\n"
             f"      {since('stepwatch_quality_last_success_timestamp_seconds')}\n"
             "    > on (job, instance, probe_set)\n"
+            f"      {missed} * stepwatch_quality_probe_interval_seconds\n"
+            "  unless on (job, instance, probe_set)\n"
+            f"      {since('stepwatch_quality_target_not_ready_timestamp_seconds')}\n"
+            "    < on (job, instance, probe_set)\n"
             f"      {missed} * stepwatch_quality_probe_interval_seconds\n  )")
 
 
@@ -89,13 +95,18 @@ def _probe_stale_case(p: Timing) -> Case:
     fire = p.align(missed * interval + last + 1) + p.F
     n = p.n(fire + p.s)
     series = []
-    for ps, last_success in (("a", const(last, n)), ("b", ramp(p.s, n)), ("c", const(0, n))):
+    # (last success, last seen not ready) per set; ramp(p.s, n) is "now" at every evaluation
+    sets = (("a", const(last, n), const(0, n)), ("b", ramp(p.s, n), const(0, n)), ("c", const(0, n), const(0, n)),
+            ("d", const(last, n), ramp(p.s, n)))
+    for ps, last_success, not_ready in sets:
         sc = {"job": SIDECAR, "instance": SC, "probe_set": ps}
         series += [Series("stepwatch_quality_last_success_timestamp_seconds", sc, last_success),
+                   Series("stepwatch_quality_target_not_ready_timestamp_seconds", sc, not_ready),
                    Series("stepwatch_quality_probe_interval_seconds", sc, const(interval, n)),
                    Series("stepwatch_quality_probe_failures_total", {**sc, "reason": "connect"}, const(0, n))]
     return Case(p.spec.key, f"set a has not succeeded for {missed} probe intervals: fires; set b is fresh; "
-                "set c never succeeded (0) and has no failures", series,
+                "set c never succeeded (0) and has no failures; set d has not succeeded either, but its target "
+                "is restarting (seen not ready now): quiet", series,
                 [Expect(fire - p.e, [], "for: not elapsed"),
                  Expect(fire, [({"job": SIDECAR, "instance": SC, "probe_set": "a"}, 1.0)])])
 

@@ -24,7 +24,7 @@ from stepwatch.sse import parse_sse  # the same reader as the drills'
 
 # http_<code> for the codes the service documents (and proxies commonly add); anything else is http_other.
 HTTP_CODES = (400, 401, 403, 404, 408, 413, 422, 429, 500, 502, 503, 504, 507)
-REASONS: tuple[str, ...] = ("connect", "timeout", "bad_response", "baseline",
+REASONS: tuple[str, ...] = ("connect", "timeout", "bad_response", "baseline", "not_ready",
                             *(f"http_{c}" for c in HTTP_CODES), "http_other")
 
 

@@ -326,6 +326,7 @@ class SidecarConfig:
     timeout_s: float | None = None
     timeout_margin_s: float = 5.0
     initial_timeout_s: float = 60.0
+    not_ready_grace_s: float = 600.0  # prober.NOT_READY_GRACE_S: how long a restart may take before it is failing
     budget_ratio: float | None = None
     thresholds: Path | None = None
     nvml: bool = True
@@ -335,8 +336,8 @@ class SidecarConfig:
 
 
 CONFIG_KEYS = {"target", "probe_set", "baseline_dir", "gate", "interval_s", "min_interval_s", "retry_interval_s",
-               "timeout_s", "timeout_margin_s", "initial_timeout_s", "budget_ratio", "thresholds", "nvml", "prober",
-               "practice_gpus", "stream_probe_set"}
+               "timeout_s", "timeout_margin_s", "initial_timeout_s", "not_ready_grace_s", "budget_ratio", "thresholds",
+               "nvml", "prober", "practice_gpus", "stream_probe_set"}
 
 
 def _probe_set_of(ps: Any, base: Path, key: str) -> ProbeSet:
@@ -382,7 +383,7 @@ def parse_config(data: Any, base: Path | None = None) -> SidecarConfig:
     for k in ("interval_s", "timeout_s", "budget_ratio"):
         if d.get(k) is not None:
             kw[k] = _float(d[k], k, 0.0, 1.0 if k == "budget_ratio" else None, open_lo=True)
-    for k in ("min_interval_s", "retry_interval_s", "timeout_margin_s", "initial_timeout_s"):
+    for k in ("min_interval_s", "retry_interval_s", "timeout_margin_s", "initial_timeout_s", "not_ready_grace_s"):
         if k in d:
             kw[k] = _float(d[k], k, 0.0, None, open_lo=k != "timeout_margin_s")
     for k in ("nvml", "prober"):

@@ -52,7 +52,7 @@ def _probers(cfg: SidecarConfig, registry: CollectorRegistry, thresholds: Thresh
                               interval_s=cfg.interval_s, timeout_s=cfg.timeout_s,
                               timeout_margin_s=cfg.timeout_margin_s, initial_timeout_s=cfg.initial_timeout_s,
                               budget_ratio=cfg.budget_ratio, min_interval_s=cfg.min_interval_s,
-                              retry_interval_s=cfg.retry_interval_s)
+                              retry_interval_s=cfg.retry_interval_s, not_ready_grace_s=cfg.not_ready_grace_s)
     out = [Prober(cfg.target, probe_set=cfg.probe_set, gate=cfg.gate, **kw)]
     if cfg.stream_probe_set is not None:
         out.append(StreamProber(cfg.target, probe_set=cfg.stream_probe_set, metrics=out[0].metrics, **kw))

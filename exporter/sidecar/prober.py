@@ -38,6 +38,10 @@ QUALITY_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS
 # recovering; so do this many timeouts in a row.
 ENDS_THE_SET = ("connect", "http_503")
 MAX_CONSECUTIVE_TIMEOUTS = 3
+# How long a target may stay not ready (refusing connections, answering 503 or "warming up") before the prober
+# counts it as failing: a restart's warm-up, compiles included, is well within it; a service that never comes
+# back is counted after it (reason ``not_ready``, or ``connect`` when nothing listens).
+NOT_READY_GRACE_S = 600.0
 
 Status = Literal["ok", "partial", "stale", "baseline_error", "failed", "aborted", "not_ready"]
 
@@ -160,7 +164,8 @@ class Prober:
                  gate: str | None = None, interval_s: float | None = None, timeout_s: float | None = None,
                  timeout_margin_s: float = 5.0, initial_timeout_s: float = 60.0, info_timeout_s: float = 5.0,
                  budget_ratio: float | None = None, min_interval_s: float = 5.0, retry_interval_s: float = 30.0,
-                 wallclock: Callable[[], float] = time.time, metrics: SidecarMetrics | None = None) -> None:
+                 not_ready_grace_s: float = NOT_READY_GRACE_S, wallclock: Callable[[], float] = time.time,
+                 metrics: SidecarMetrics | None = None) -> None:
         if thresholds is None:
             thresholds = load()
         q = thresholds.quality
@@ -183,6 +188,8 @@ class Prober:
         self.info_timeout_s = info_timeout_s
         self.min_interval_s = min_interval_s
         self.retry_interval_s = retry_interval_s
+        self.not_ready_grace_s = not_ready_grace_s
+        self._unready_since: float | None = None  # wall time the target was first seen not ready, in this spell
         self.store = BaselineStore(baseline_dir)
         self.client = ServiceClient(target)
         self.target = self.client.target
@@ -207,7 +214,8 @@ class Prober:
         # 0 = never succeeded.  The probe-failing alert skips 0 (``last_success > 0``) and catches a prober
         # that never succeeds by its failure counter instead, so every failed run counts a failure.
         m.quality_last_success_timestamp_seconds.labels(name).set(0)
-        for reason in ("connect", "timeout", "bad_response", "baseline"):
+        m.quality_target_not_ready_timestamp_seconds.labels(name).set(0)
+        for reason in ("connect", "timeout", "bad_response", "baseline", "not_ready"):
             m.quality_probe_failures_total.labels(name, reason)
 
     # --- timing --------------------------------------------------------------------------
@@ -276,15 +284,18 @@ class Prober:
             # for a fast (few-step) model cannot fail the set on a loaded host before any probe ran.
             info = self.client.info(self.info_timeout_s)
         except ProbeError as e:
-            self._fail(res, e.reason)
-            res.error = f"target {self.target}: {e.detail}"
+            if e.reason in ENDS_THE_SET:
+                self._not_ready(res, e.reason, e.detail)
+            else:
+                self._fail(res, e.reason)
+                res.error = f"target {self.target}: {e.detail}"
             return
         if info.ready is False or not info.fingerprint:
             # A restart's warm-up answers an empty fingerprint: hashed, it would read as a new deployment with no
             # baseline. Nothing is measured or concluded until the service is ready.
-            res.status = "not_ready"
-            res.error = f"target {self.target} is warming up: no probe and no staleness until it is ready"
+            self._not_ready(res, "not_ready", "warming up")
             return
+        self._unready_since = None
         res.target_fingerprint_id = info.fingerprint_id
         self.gpus = info.gpus
         lk = self.store.lookup(self.probe_set, info.fingerprint_id)
@@ -306,6 +317,45 @@ class Prober:
             self.cost_seconds = base.cost_seconds
         self._probe_all(res, info, base)
 
+    def _unready_spell(self) -> float:
+        """Seconds since the target was first seen not ready in this spell (0 on the first sighting)."""
+        now = self._wallclock()
+        if self._unready_since is None:
+            self._unready_since = now
+        return now - self._unready_since
+
+    def _not_ready(self, res: ProbeResult, reason: str, why: str) -> None:
+        """The target is restarting or warming up: within the grace nothing is measured, failed or made stale
+        (status ``not_ready``); past it, the run fails with ``reason`` and the probe-failing alert may fire."""
+        spell = self._unready_spell()
+        if spell < self.not_ready_grace_s:
+            res.status = "not_ready"
+            res.error = (f"target {self.target} is not ready ({why}): no probe, no failure and no staleness "
+                         f"for up to {self.not_ready_grace_s:g} s")
+            return
+        self._fail(res, reason)
+        res.error = (f"target {self.target} not ready for {spell:.0f} s, past the {self.not_ready_grace_s:g} s "
+                     f"grace: {why}")
+
+    def _cut_by_a_restart(self, res: ProbeResult, reason: str) -> bool:
+        """A set cut off by a refused connection or a 503: when the target now says it is not ready (a restart,
+        its worker restarting) within the grace, the run is ``not_ready`` and the cut probe is no failure."""
+        try:
+            info = self.client.info(self.info_timeout_s)
+        except ProbeError as e:
+            if e.reason not in ENDS_THE_SET:
+                return False
+        else:
+            if info.ready is not False and info.fingerprint:
+                return False
+        if self._unready_spell() >= self.not_ready_grace_s:
+            return False
+        res.failures[reason] -= 1
+        if not res.failures[reason]:
+            del res.failures[reason]
+        self._not_ready(res, reason, "it went away during the set")
+        return True
+
     def _probe_all(self, res: ProbeResult, info: ServiceInfo, base: Baseline) -> None:
         timeouts = 0
         timeout = self.request_timeout()
@@ -321,6 +371,8 @@ class Prober:
                 out.failure, out.detail = e.reason, e.detail
                 self._fail(res, e.reason)
                 timeouts = timeouts + 1 if e.reason == "timeout" else 0
+                if e.reason in ENDS_THE_SET and self._cut_by_a_restart(res, e.reason):
+                    return
                 if e.reason in ENDS_THE_SET or timeouts >= MAX_CONSECUTIVE_TIMEOUTS:
                     res.error = f"target {self.target}: {e.detail} (rest of the set skipped)"
                     break
@@ -394,6 +446,8 @@ class Prober:
         m, name = self.metrics, self.probe_set.name
         for reason, n in res.failures.items():
             m.quality_probe_failures_total.labels(name, reason if reason in REASONS else "http_other").inc(n)
+        if res.status == "not_ready":  # the staleness clock of the probe-failing alert waits while it warms up
+            m.quality_target_not_ready_timestamp_seconds.labels(name).set(res.started_unix + res.duration_s)
         if res.status in ("failed", "aborted", "not_ready"):
             return  # nothing new was measured: the last values stay, their age shows in last_success
         lk = self._lookup
@@ -468,7 +522,9 @@ class Prober:
             delay = cad.interval_s if cad.interval_s is not None else self.retry_interval_s
             # The cadence in force, so "no success for 3 intervals" can be judged by the rules.
             self.metrics.quality_probe_interval_seconds.labels(self.probe_set.name).set(delay)
-            if not res.completed:
+            if res.status == "not_ready":  # back to measuring soon after it is ready: an info call is cheap
+                delay = min(delay, self.min_interval_s)
+            elif not res.completed:
                 delay = min(delay, self.retry_interval_s)
             self._stop.wait(delay)
 
