@@ -1,6 +1,9 @@
 """Day-two operations as drills: what a production service goes through on an ordinary day.
 
-A configuration rolled out by restart is the first: no knob call, so the knob gauges (against the start-up
+A routine restart comes first: one replica of the fleet restarted on its unchanged configuration (maintenance,
+an eviction), which must page nobody; before the prober knew a restart from an outage
+(exporter/sidecar/prober.py, its not-ready grace) the replica's refused probes fired the probe-failing alert.
+A configuration rolled out by restart is next: no knob call, so the knob gauges (against the start-up
 values) read unchanged, and before the service kept its start-up configuration across restarts
 (service/config_history.py) triage blamed the prompt mix and advised a new baseline, which would have
 baked the bad setting in.
@@ -13,6 +16,7 @@ from typing import Any
 
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.drill import Drill, DrillResult
+from stepwatch.fault_injection.fleet_drills import FleetDrill, service_ready
 from stepwatch.fault_injection.stack import DRILL_SERVICE, LocalStack
 
 
@@ -22,6 +26,33 @@ def merged(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
     for k, v in change.items():
         out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
     return out
+
+
+class RoutineRestart(FleetDrill):
+    """One replica restarted on its own configuration, as maintenance or an eviction does: drained, SIGTERM, the
+    same release warming up, back in the balancer.  A quiet drill: its block has no alert and no cause."""
+
+    name = "routine-restart"
+    doc_id = "routine_restart"
+    reads_quality = True  # the replica's prober sees it go and come back
+    in_place_when_injected = True  # watched from when it serves again; the webhook covers the restart itself
+    silent = ("probe_failing", "baseline_stale", "quality_drop", "error_ratio")
+    description = ("One replica restarted on its unchanged configuration under steady traffic through the "
+                   "balancer: drained, restarted, warmed up, back in. Nothing may page: no quality alert (its "
+                   "prober sees a restart, not a failure or a new deployment), no error ratio, no critical.")
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        before = stack.child_pid(self.target)
+        stack.rollout(self.target, service_ready(stack, self.target))
+        r.details["restarted"] = stack.child_pid(self.target) != before
+        r.notes.append(f"{self.target} restarted on its own configuration and serving again")
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        """Nothing to undo: the same release serves again."""
+
+    def after(self, stack: Any, r: DrillResult) -> None:
+        r.checks["replica_restarted"] = bool(r.details.get("restarted"))
+        r.checks["replica_serving"] = service_ready(stack, self.target)()
 
 
 class ConfigRollout(Drill):
@@ -81,4 +112,4 @@ def _leaf_knobs(change: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[st
     return out
 
 
-DAY_TWO_DRILLS: tuple[type[Drill], ...] = (ConfigRollout,)
+DAY_TWO_DRILLS: tuple[type[Drill], ...] = (RoutineRestart, ConfigRollout)

@@ -107,8 +107,14 @@ class Drill:
                 raise ValueError(f"runbooks/drills.md {self.doc_id}: {name} is not an alert in the thresholds")
 
     @property
+    def quiet(self) -> bool:
+        """An ordinary operation, not a fault: no alert may fire (none of ``silent``, no critical) and
+        ``within`` is how long the runner watches after it (its block: ``alerts: []``, ``cause: null``)."""
+        return not self.spec.alerts
+
+    @property
     def expected(self) -> str:
-        return str(self.spec.alerts[0])
+        return str(self.spec.alerts[0]) if self.spec.alerts else ""
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -158,6 +164,10 @@ class Drill:
 
     def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
         return bool(alert["labels"].get("alertname") == self.expected)
+
+    def target_labels(self) -> dict[str, str]:
+        """The labels of what the drill acts on, where a stack has several (a fleet's replica); {}: the one."""
+        return {}
 
 
 def _http_json(url: str) -> tuple[int, Any]:

@@ -50,7 +50,7 @@ def _sidecar_ready(stack: Any, replica: str) -> Any:
     return lambda: httpclient.ok(stack.replica(replica).sidecar_url + "/metrics")
 
 
-def _service_ready(stack: Any, replica: str) -> Any:
+def service_ready(stack: Any, replica: str) -> Any:
     return lambda: httpclient.ok(stack.replica(replica).service_url + "/readyz")
 
 
@@ -70,6 +70,9 @@ class FleetDrill(Drill):
         """The expected alert for the drill's target, not another's."""
         labels = alert.get("labels", {})
         return bool(labels.get("alertname") == self.expected and labels.get(self.target_label) == self.target)
+
+    def target_labels(self) -> dict[str, str]:
+        return {self.target_label: self.target}
 
 
 class ReplicaLost(FleetDrill):
@@ -91,7 +94,7 @@ class ReplicaLost(FleetDrill):
         _routed_around(stack, r)
 
     def restore(self, stack: Any, r: DrillResult) -> None:
-        stack.restart(self.target, _service_ready(stack, self.target))
+        stack.restart(self.target, service_ready(stack, self.target))
         stack.restart(f"{self.target}-sidecar", _sidecar_ready(stack, self.target))
 
     def after(self, stack: Any, r: DrillResult) -> None:
@@ -248,7 +251,7 @@ class NodeLost(NodeDrill):
 
     def restore(self, stack: Any, r: DrillResult) -> None:
         for name in r.details.get("replicas_lost", []):
-            stack.restart(name, _service_ready(stack, name))
+            stack.restart(name, service_ready(stack, name))
             stack.restart(f"{name}-sidecar", _sidecar_ready(stack, name))
         self.restart_agent(stack)
 
@@ -381,7 +384,7 @@ class ReplicaConfigDrift(FleetDrill):
     def inject(self, stack: Any, r: DrillResult) -> None:
         threshold = float(self.spec.inject["cache_threshold"])
         cache = {**REPLICA_SERVICE["cache"], "threshold": threshold}
-        stack.rollout(self.target, _service_ready(stack, self.target), {"cache": cache})
+        stack.rollout(self.target, service_ready(stack, self.target), {"cache": cache})
         r.notes.append(f"{self.target} rolled out on a config with cache threshold {threshold:g}")
 
     def while_firing(self, stack: Any, r: DrillResult) -> None:
@@ -393,7 +396,7 @@ class ReplicaConfigDrift(FleetDrill):
         r.checks["only_the_drifted_replica"] = named == [self.target]
 
     def restore(self, stack: Any, r: DrillResult) -> None:
-        stack.rollout(self.target, _service_ready(stack, self.target))
+        stack.rollout(self.target, service_ready(stack, self.target))
 
 
 class RollingUpdate(FleetDrill):
@@ -413,7 +416,7 @@ class RollingUpdate(FleetDrill):
 
         def roll() -> None:
             try:
-                stack.rollout(self.target, _service_ready(stack, self.target), {"warmup": warmup})
+                stack.rollout(self.target, service_ready(stack, self.target), {"warmup": warmup})
             except Exception as e:
                 r.details["rollout_error"] = f"{type(e).__name__}: {e}"
 
@@ -425,10 +428,10 @@ class RollingUpdate(FleetDrill):
         """The alert fired while the replica was not ready; how long its rollout took in all."""
         deadline = time.time() + 300
         while time.time() < deadline and "rollout_error" not in r.details \
-                and not _service_ready(stack, self.target)():
+                and not service_ready(stack, self.target)():
             time.sleep(0.5)
         r.details["rollout_seconds"] = round(time.time() - r.details.pop("_rollout_started"), 1)
-        r.checks["rolled_out"] = "rollout_error" not in r.details and _service_ready(stack, self.target)()
+        r.checks["rolled_out"] = "rollout_error" not in r.details and service_ready(stack, self.target)()
 
     def restore(self, stack: Any, r: DrillResult) -> None:
         """Nothing to undo: the rollout finished and the new release serves."""

@@ -144,6 +144,13 @@ def rollout_keys() -> str:
     return sel("stepwatch_service_config_rollout_key_active") + " == 1"
 
 
+def alert_evaluations(alertname: str, window: str) -> str:
+    """The most evaluations any one series of the alert spent pending or firing over ``window``: how long its
+    condition held (a quiet drill: would production's longer ``for:`` have paged?)."""
+    alerts = sel("ALERTS", f'alertname="{alertname}"')
+    return f"max(sum without (alertstate) (count_over_time({alerts}[{window}])))"
+
+
 def drill_queries(window: str) -> dict[str, str]:
     """Every query the drills and the baseline calibration run, by name, for one rate window."""
     out = {"mean_step": mean_step(window), "step_by_shape": step_by_shape(window),
@@ -156,7 +163,7 @@ def drill_queries(window: str) -> dict[str, str]:
            "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(),
            "agents_up": agents_up(),
            "requests_ok_by_instance": requests_ok_by_instance(), "up_samples": up_samples(window),
-           "rollout_keys": rollout_keys()}
+           "rollout_keys": rollout_keys(), "alert_evaluations": alert_evaluations("StepwatchTargetDown", window)}
     for name, q in LATENCY_QUANTILES.items():
         out[f"request_{name}"] = request_quantile(q, window)
     return out

@@ -29,6 +29,7 @@ from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.runbooks.parse import runbooks_dir
 from stepwatch.thresholds import load as load_thresholds
 from stepwatch.thresholds import parse_duration
+from stepwatch.triage.false_alarms import write_false_alarms
 from stepwatch.triage.record import record_scenario
 
 WINDOW_S = 420.0  # history per scenario: the steady baseline before a fault and the fault itself
@@ -75,12 +76,29 @@ class Recording:
     def control(self, stack: Any, progress: Callable[[str], None], name: str, description: str) -> Path:
         """``control_s`` more of steady traffic, then the last window of the stack as a control (no cause)."""
         time.sleep(self.control_s)
+        return self.control_now(stack, progress, name, description,
+                                f"{description}; {self.control_s:.0f}s of steady traffic")
+
+    def control_now(self, stack: Any, progress: Callable[[str], None], name: str, description: str,
+                    how: str, **extra: Any) -> Path:
+        """The last window of the stack, up to now, as a control (no cause); ``extra``: more scenario fields."""
         end = time.time()
         path = self.save(stack, name, end - WINDOW_S, end, {
             "expected_cause": None, "kind": "control", "description": f"no fault: {description}",
-            **self._meta(stack, f"{description}; {self.control_s:.0f}s of steady traffic")})
+            **extra, **self._meta(stack, how)})
         progress(f"recorded {path}")
         return path
+
+    def quiet_drill(self, stack: Any, progress: Callable[[str], None], name: str, description: str,
+                    silent: list[str], target: dict[str, str]) -> list[Path]:
+        """A quiet drill (an ordinary operation) recorded as a control, and each alert it must not fire presented
+        as firing on it for its ``target`` (triage/false_alarms.py): a question triage must answer with no cause."""
+        path = self.control_now(stack, progress, f"{name}-{self.suffix}", description,
+                                f"drill {name}, at the end of its watch", drill=name)
+        written = write_false_alarms(path, self.out, silent, in_hand=True, prefer=target)
+        self.recorded += written
+        progress(f"recorded {', '.join(p.name for p in written)} (false alarms on it)")
+        return [path, *written]
 
     def controls(self, stack: LocalStack, key: StackKey, progress: Callable[[str], None],
                  baselines: dict[str, Any]) -> None:

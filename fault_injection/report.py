@@ -86,22 +86,26 @@ def render_markdown(results: list[DrillResult], th: Thresholds, criteria: Criter
 
 
 def _met(r: DrillResult, limit_s: float) -> str:
+    if not r.expected_alert:
+        return "-"  # a quiet drill detects nothing
     return "met" if r.time_to_detect_s is not None and r.time_to_detect_s <= limit_s else "missed"
 
 
 def _table_row(r: DrillResult, c: Criteria) -> str:
-    return (f"| {r.name} | {'PASS' if r.passed else '**FAIL**'} | {r.expected_alert} | "
+    return (f"| {r.name} | {'PASS' if r.passed else '**FAIL**'} | {r.expected_alert or '(none: quiet)'} | "
             f"{_fmt(r.time_to_detect_s)} | {_fmt(r.time_to_webhook_s)} | {_met(r, c.goal_s)} | "
             f"{_met(r, c.seeds_bar_s)} | {'yes' if r.service_survived else '**no**'} | {r.triage_cause or '-'} |")
 
 
 def _drill_section(r: DrillResult, th: Thresholds) -> list[str]:
     """One drill's section: what had to fire, what did, its checks, failures, triage verdict and panels."""
-    lines: list[str] = []
-    spec = th.by_name(r.expected_alert)
-    lines += ["", f"## {r.name}", ""]
-    lines.append(f"Expected **{r.expected_alert}** ({spec.severity}); runbook `runbooks/{spec.runbook_file}`; "
-                 f"panel *{spec.panel}*; triage must name `{r.expected_cause}`.")
+    lines: list[str] = ["", f"## {r.name}", ""]
+    if r.expected_alert:
+        spec = th.by_name(r.expected_alert)
+        lines.append(f"Expected **{r.expected_alert}** ({spec.severity}); runbook `runbooks/{spec.runbook_file}`; "
+                     f"panel *{spec.panel}*; triage must name `{r.expected_cause}`.")
+    else:
+        lines.append("A quiet drill: an ordinary operation, where nothing may page.")
     if r.expected_labels:
         shown = {k: v for k, v in r.expected_labels.items() if k not in ("alertname",)}
         lines.append(f"Fired with labels `{json.dumps(shown, sort_keys=True)}`.")
@@ -136,7 +140,8 @@ def summary_table(results: list[DrillResult], report_path: Path) -> str:
     for r in results:
         d = f"{r.time_to_detect_s:.1f}" if r.time_to_detect_s is not None else "-"
         w = f"{r.time_to_webhook_s:.1f}" if r.time_to_webhook_s is not None else "-"
-        lines.append(f"{r.name:<22}{'PASS' if r.passed else 'FAIL':<8}{d:>9}{w:>11}  {r.expected_alert:<28}"
+        lines.append(f"{r.name:<22}{'PASS' if r.passed else 'FAIL':<8}{d:>9}{w:>11}  "
+                     f"{r.expected_alert or '(none: quiet)':<28}"
                      f"{r.triage_cause or '-'}" + (f"   <- {'; '.join(r.failures)}" if r.failures else ""))
     panels = sorted(report_path.parent.glob("*/*.png"))
     lines += ["", f"report: {report_path} (with each drill's triage report)",

@@ -19,7 +19,7 @@ from stepwatch.fault_injection.recording import Recording
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.fault_injection.traffic import Traffic
 from stepwatch.promapi import PromError
-from stepwatch.thresholds import Thresholds
+from stepwatch.thresholds import Thresholds, parse_duration
 from stepwatch.thresholds import load as load_thresholds
 from stepwatch.triage.engine import Alert
 from stepwatch.triage.in_hand import write_in_hand
@@ -81,6 +81,14 @@ class Runner:
         self.before_drill: Callable[[str], None] = lambda name: None  # a campaign's phase line (phases.py)
 
     def _record(self, drill: Drill, r: DrillResult, record: Recording) -> None:
+        if drill.quiet:
+            try:
+                paths = record.quiet_drill(self.stack, self.progress, drill.name, drill.description,
+                                           list(drill.silent), drill.target_labels())
+                r.notes.append(f"recorded as a control with {len(paths) - 1} false alarms on it: {paths[0]}")
+            except Exception as e:
+                r.notes.append(f"recording the control failed: {type(e).__name__}: {e}")
+            return
         if r.time_to_detect_s is None:
             r.notes.append("not recorded as a triage scenario: the alert never fired")
             return
@@ -165,7 +173,8 @@ class Runner:
         self.progress(f"[{drill.name}] baseline traffic; waiting until nothing fires")
         time.sleep(steady_s)
         self._remeasure_step_baselines(r, steady_s)
-        w.leftover = self.wait_quiet({drill.expected} | self.critical, r=r)
+        watched = self._watched(drill)
+        w.leftover = self.wait_quiet(set(watched) | self.critical, r=r)
         if w.leftover:
             r.notes.append(f"still firing before injection: {sorted(w.leftover)}")
         # Any other alert still firing from the drill before would join this drill's incident: a CPU-contention
@@ -174,17 +183,21 @@ class Runner:
         already = self._firing_names(r)
         if already:
             r.notes.append(f"firing before injection (not counted against the drill): {sorted(already)}")
-        states = self._states_of(drill.expected, r)
+        states = set().union(*(self._states_of(name, r) for name in watched))
         r.checks["quiet_before_injection"] = not states
         if states:
-            r.failures.append(f"{drill.expected} was already {'/'.join(sorted(states))} when the fault was due to "
-                              "go in: aborted (it cannot be detected)")
+            r.failures.append(f"{'/'.join(watched)} was already {'/'.join(sorted(states))} when the fault was due "
+                              "to go in: aborted (it cannot be detected)")
             return False
         r.checks["healthy_before"] = self.stack.healthy()
         if not r.checks["healthy_before"]:
             r.service_survived = False
             r.failures.append("service unhealthy before injection: aborted")
         return r.checks["healthy_before"]
+
+    def _watched(self, drill: Drill) -> list[str]:
+        """The alerts that must be quiet before the drill: its own, or a quiet drill's silent ones."""
+        return [self.th.alert(k).name for k in drill.silent] if drill.quiet else [drill.expected]
 
     def _remeasure_step_baselines(self, r: DrillResult, window_s: float) -> None:
         """The per-shape step-time baselines measured again on this drill's steady traffic, and published.
@@ -272,7 +285,8 @@ class Runner:
             r.injection_s = time.time() - started
             if r.injection_s >= 1.0:
                 self.progress(f"[{drill.name}] fault in place after {r.injection_s:.1f}s")
-            deadline = r.injected_at + self.criteria.detect_deadline_s
+            # A quiet drill is watched for its ``within`` after the operation: nothing may fire meanwhile.
+            deadline = r.injected_at + (drill.within_s if drill.quiet else self.criteria.detect_deadline_s)
             while time.time() < deadline and not self._poll_alert(drill, r, w):
                 self._look_at_health(w)
                 time.sleep(1.0)
@@ -329,6 +343,9 @@ class Runner:
 
     def _resolve(self, drill: Drill, r: DrillResult, w: _Watch) -> None:
         """Wait for the drill's alert to clear after the restore; no answer from Prometheus is not 'resolved'."""
+        if drill.quiet:  # nothing was meant to fire, so nothing resolves: what did fire fails _judge_alerts
+            r.resolved = True
+            return
         deadline = r.restored_at + self.criteria.resolve_deadline_s
         while time.time() < deadline:
             firing = self._try_firing(r)
@@ -351,6 +368,50 @@ class Runner:
         r.service_survived = (w.healthy or drill.health_turns_red) and r.checks["healthy_after"]
         r.alerts_fired = sorted(w.seen)
         r.ended_at = time.time()
+        if drill.quiet:
+            self._judge_quiet(drill, r)
+        else:
+            self._judge_detection(drill, r, w)
+        self._judge_alerts(drill, r, w)
+        for k, ok in r.checks.items():
+            if not ok and not any(k in f for f in r.failures):
+                r.failures.append(f"check failed: {k}")
+        r.details = {k: v for k, v in r.details.items() if not k.startswith("_")}
+        r.passed = not r.failures and all(r.checks.values())
+
+    def _judge_quiet(self, drill: Drill, r: DrillResult) -> None:
+        """An ordinary operation pages nobody: from its start on, nothing it must not fire was notified (the
+        webhook also sees an alert whose whole life fell within the operation), nor a critical that production
+        would have paged for."""
+        if self.stack.webhook is None:
+            return
+        since = r.injected_at - r.injection_s
+        silent = set(self._watched(drill))
+        notified = sorted(n for n in silent | self.critical if self.stack.webhook.first_firing(n, since) is not None)
+        pages = [n for n in notified if n in silent or not self._no_page_in_production(n, since, r)]
+        r.checks["nothing_paged"] = not pages
+        if pages:
+            r.failures.append(f"paged during an ordinary operation: {pages}")
+
+    def _no_page_in_production(self, name: str, since: float, r: DrillResult) -> bool:
+        """A critical the drill profile notified: its ``for:`` there is a fraction of production's, a restart's
+        length is not.  No page when its condition held for less than production's ``for:`` (a pod restart's
+        TargetDown); no answer from Prometheus counts as a page."""
+        profile = getattr(self.stack, "profile", "drill")
+        step = parse_duration(self.th.profiles[profile].evaluation_interval)
+        try:
+            evaluations = self.stack.prom.value(queries.alert_evaluations(name, f"{time.time() - since + step:.0f}s"))
+        except PromError as e:
+            r.notes.append(f"{name}: how long it held is unknown (Prometheus: {e}): counted as a page")
+            return False
+        held, limit = (evaluations or 0.0) * step, self.th.by_name(name).for_seconds("production")
+        r.details.setdefault("held_s", {})[name] = held
+        r.notes.append(f"{name} fired in the {profile} profile; its condition held {held:.0f} s, "
+                       + (f"under production's for: of {limit:.0f} s" if held < limit else "a page in production too"))
+        return held < limit
+
+    def _judge_detection(self, drill: Drill, r: DrillResult, w: _Watch) -> None:
+        """A fault's alert fired within the goal, with its companions required, its webhook and triage's cause."""
         r.checks["detected"] = r.time_to_detect_s is not None
         goal = min(self.criteria.goal_s, drill.within_s)
         r.checks["within_goal"] = r.time_to_detect_s is not None and r.time_to_detect_s <= goal
@@ -363,13 +424,7 @@ class Runner:
             if r.triage_cause != drill.cause:
                 r.failures.append(f"triage named {r.triage_cause!r}, expected {drill.cause!r}"
                                   + _evidence_trail(r.triage))
-        r.checks["webhook_delivered"] = st.webhook is None or r.time_to_webhook_s is not None
-        self._judge_alerts(drill, r, w)
-        for k, ok in r.checks.items():
-            if not ok and not any(k in f for f in r.failures):
-                r.failures.append(f"check failed: {k}")
-        r.details = {k: v for k, v in r.details.items() if not k.startswith("_")}
-        r.passed = not r.failures and all(r.checks.values())
+        r.checks["webhook_delivered"] = self.stack.webhook is None or r.time_to_webhook_s is not None
 
     def _judge_alerts(self, drill: Drill, r: DrillResult, w: _Watch) -> None:
         """No critical beyond the drill's own and its companions; the silent ones stayed silent; resolved."""

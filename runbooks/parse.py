@@ -428,8 +428,8 @@ DRILL_KEYS = {"id", "alerts", "cause", "within", "inject", "traffic", "restore",
 class Drill:
     id: str
     title: str
-    alerts: tuple[str, ...]  # alert names that must fire
-    cause: str  # what triage must name
+    alerts: tuple[str, ...]  # alert names that must fire (none: a quiet drill, where nothing may page)
+    cause: str  # what triage must name ("" for a quiet drill)
     within: str  # e.g. 60s: from the fault to the alert firing
     inject: dict[str, Any]
     traffic: dict[str, Any]
@@ -481,7 +481,11 @@ def load_drills(file: str | Path | None = None) -> list[Drill]:
         data = yaml.safe_load(blocks[0])
         if not isinstance(data, dict) or set(data) - DRILL_KEYS or not {"id", "alerts", "cause", "within"} <= set(data):
             raise RunbookError(f"{where}: a drill block has id, alerts, cause, within (and inject, traffic, restore)")
-        if data["cause"] not in CAUSES:
+        if not data["alerts"] and data["cause"] is None:
+            data["cause"] = ""  # a quiet drill: an ordinary operation that must page nobody (Drill.quiet)
+        elif not data["alerts"] or data["cause"] is None:
+            raise RunbookError(f"{where}: alerts and cause are both given, or both empty (a quiet drill: [] and null)")
+        elif data["cause"] not in CAUSES:
             raise RunbookError(f"{where}: cause {data['cause']!r} is not in the cause vocabulary")
         variants = data.get("variants") or []
         if not isinstance(variants, list) or not all(isinstance(v, dict) and set(v) <= {"inject", "traffic"}

@@ -36,9 +36,12 @@ def test_every_drill_reads_its_block_in_the_runbook() -> None:
     for name, cls in DRILLS.items():
         d = cls(TH)
         assert d.doc_id in ids, name
-        assert d.cause in CAUSES
         assert d.within_s <= GOAL_S
-        assert d.expected in {a.name for a in TH.alerts.values()}
+        if d.quiet:  # an ordinary operation: no alert, no cause, and the alerts it must not fire
+            assert (d.expected, d.cause) == ("", "") and d.silent, name
+        else:
+            assert d.cause in CAUSES
+            assert d.expected in {a.name for a in TH.alerts.values()}
         for key in (*d.companions, *d.silent):
             TH.alert(key)  # every companion/silent key is a real alert
     assert DRILLS["cache-threshold"](TH).restore_knobs({"cache_threshold": 0.7, "vae_tiling": True}) == {
@@ -78,7 +81,10 @@ def test_report_markdown_has_the_table_and_the_failures() -> None:
                      triage_cause="cache_threshold_too_high")
     bad = DrillResult("vae-tiling-oom", "StepwatchMemoryPressure", expected_cause="vae_tiling_off",
                       time_to_detect_s=75.0, checks={"within_goal": False}, failures=["check failed: within_goal"])
-    md = render_markdown([ok, bad], TH)
+    quiet = DrillResult("routine-restart", "", passed=True, checks={"nothing_paged": True})
+    md = render_markdown([ok, bad, quiet], TH)
+    assert "| routine-restart | PASS | (none: quiet) | - | - | - | - | yes | - |" in md
+    assert "A quiet drill: an ordinary operation, where nothing may page." in md
     assert "| cache-threshold | PASS | StepwatchQualityDrop | 21.4 s | 22.0 s | met | met | yes | " \
            "cache_threshold_too_high |" in md
     assert "| vae-tiling-oom | **FAIL** | StepwatchMemoryPressure | 75.0 s | - | missed | met |" in md
@@ -189,6 +195,51 @@ def test_a_drill_waits_for_a_previous_faults_leftover_alerts() -> None:
     r = DrillResult(drill.name, drill.expected)
     assert runner._steady(drill, r, _Watch(), steady_s=0)
     assert prom.states == [[]] and "firing before injection" not in " ".join(r.notes)
+
+
+class _Webhook:
+    def __init__(self, notified: set[str]) -> None:
+        self.notified = notified
+
+    def first_firing(self, alertname: str, since: float) -> object | None:
+        return object() if alertname in self.notified else None
+
+
+class _HeldProm(_AlertsProm):
+    """Nothing firing now; an alert's condition held for ``evaluations`` (ALERTS pending or firing)."""
+
+    def __init__(self, evaluations: float) -> None:
+        super().__init__([])
+        self.evaluations = evaluations
+
+    def value(self, q: str) -> float:
+        assert q.startswith("max(sum without (alertstate) (count_over_time(ALERTS{alertname=")
+        return self.evaluations
+
+
+# The drill profile evaluates every 5 s; TargetDown's for: is 2m in production.
+@pytest.mark.parametrize("seen, notified, evaluations, passes", [
+    (set(), set(), 0, True),
+    ({"StepwatchInstanceSlow"}, set(), 0, True),  # a warning it does not name: a notice, not a page
+    ({"StepwatchQualityProbeFailing"}, set(), 0, False),  # silent, seen firing by Prometheus
+    (set(), {"StepwatchQualityProbeFailing"}, 0, False),  # or only notified (fired and resolved during the restart)
+    ({"StepwatchTargetDown"}, set(), 0, False),  # any critical firing in the watch
+    (set(), {"StepwatchTargetDown"}, 6, True),  # notified in the drill profile, held 30 s: no page in production
+    (set(), {"StepwatchTargetDown"}, 30, False),  # held 150 s: a page in production too
+])
+def test_a_quiet_drill_passes_on_silence_and_fails_on_any_page(seen: set[str], notified: set[str],
+                                                               evaluations: float, passes: bool) -> None:
+    drill = DRILLS["routine-restart"](TH)
+    assert drill.quiet and drill.expected == "" and "probe_failing" in drill.silent
+    stack = _QuietStack(_HeldProm(evaluations))
+    stack.webhook = _Webhook(notified)  # type: ignore[attr-defined]
+    runner = Runner(stack, TH)  # type: ignore[arg-type]
+    r, w = DrillResult(drill.name, drill.expected), _Watch(seen=set(seen))
+    r.injected_at, r.restored_at = time.time(), time.time()
+    runner._resolve(drill, r, w)
+    runner._judge(drill, r, w)
+    assert r.passed is passes, (r.checks, r.failures)
+    assert "detected" not in r.checks and "triage_names_the_cause" not in r.checks
 
 
 def test_baseline_traffic_must_get_200s() -> None:

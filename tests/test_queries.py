@@ -75,9 +75,9 @@ def _prom_calls(path: Path) -> list[ast.Call]:
 
 
 def _sample_args(fn: Callable[..., str], window: str) -> list[tuple[object, ...]]:
-    """Argument tuples to call a query function with: the window, and each latency quantile for ``q``."""
+    """Argument tuples to call a query function with: the window, each latency quantile for ``q``, an alert."""
     params = list(inspect.signature(fn).parameters)
-    choices = {"window": [window], "q": list(queries.LATENCY_QUANTILES.values())}
+    choices = {"window": [window], "q": list(queries.LATENCY_QUANTILES.values()), "alertname": ["StepwatchTargetDown"]}
     combos: list[tuple[object, ...]] = [()]
     for p in params:
         combos = [(*c, v) for c in combos for v in choices[p]]

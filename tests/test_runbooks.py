@@ -271,15 +271,26 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       "bad_instance", "replica_gpu_throttle", "replica_config_drift", "rolling_update",
                                       "node_lost", "agent_lost", "pool_short",
                                       # day-two operations
-                                      "config_rollout"]
+                                      "routine_restart", "config_rollout"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:
             assert d.cause in runbooks[th.by_name(alert).name].causes(), (d.id, alert)
         for alert, cause in d.also.items():  # an alert in hand: its runbook (or its join) can reach the cause
-            assert alert != d.alerts[0] and th.by_name(alert) is not None, (d.id, alert)
+            assert d.alerts and alert != d.alerts[0] and th.by_name(alert) is not None, (d.id, alert)
             assert cause in CAUSES, (d.id, alert, cause)
     assert sum(len(d.also) for d in drills) == 37
+
+
+def test_a_quiet_drill_has_no_alert_and_no_cause(tmp_path: Path) -> None:
+    f = tmp_path / "drills.md"
+    f.write_text("## A restart\n\n```drill\nid: a\nalerts: []\ncause: null\nwithin: 60s\n```\n")
+    (quiet,) = parse.load_drills(f)
+    assert (quiet.alerts, quiet.cause) == ((), "")
+    for alerts, cause in (("[]", "worker_hung"), ("[StepwatchWorkerStalled]", "null")):
+        f.write_text(f"## A restart\n\n```drill\nid: a\nalerts: {alerts}\ncause: {cause}\nwithin: 60s\n```\n")
+        with pytest.raises(parse.RunbookError, match="both given, or both empty"):
+            parse.load_drills(f)
 
 
 @pytest.mark.parametrize("also, message", [

@@ -328,8 +328,9 @@ def test_scores_have_exactly_the_issue_keys_and_count_cases() -> None:
 def test_day_two_scores_its_own_cases_only() -> None:
     rollout = {**_fault("Shift", "config_changed", "config_changed"), "name": "config-rollout-1"}
     restart = {**_control([["bad_instance", "high"]]), "name": "control-restart-1rank-3"}
-    s = scoring.summarize([rollout, restart, _fault("A", "x", "y"), _control([["z", "high"]])])
-    assert s["day_two"] == {"cases": 2, "ac1": 1.0, "false_causes": 1}
+    in_hand = {**_control(), "name": "routine-restart-3-as-probe-failing"}
+    s = scoring.summarize([rollout, restart, in_hand, _fault("A", "x", "y"), _control([["z", "high"]])])
+    assert s["day_two"] == {"cases": 3, "ac1": 1.0, "false_causes": 1}
 
 
 def test_lookup_baseline_is_1_when_every_alert_has_one_cause() -> None:

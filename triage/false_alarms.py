@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,14 @@ def metrics_of(expr: str) -> list[str]:
     return list(dict.fromkeys(name + sel for name, sel in _METRIC.findall(expr)))
 
 
-def labels_from(prom: Prometheus, at: float, expr: str, wanted: tuple[str, ...]) -> dict[str, str]:
-    """Label values for an alert from the recording: the series of its metrics carrying most of ``wanted``."""
+def labels_from(prom: Prometheus, at: float, expr: str, wanted: tuple[str, ...],
+                prefer: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Label values for an alert from the recording: the series of its metrics carrying most of ``wanted``
+    (those with the labels of ``prefer`` first: the replica a drill restarted)."""
     best: dict[str, str] = {}
     for name in metrics_of(expr):
-        for s in prom.query(promql.latest(name, "10m"), at=at):
+        series = prom.query(promql.latest(name, "10m"), at=at)
+        for s in sorted(series, key=lambda s: any(s.labels.get(k) != v for k, v in (prefer or {}).items())):
             have = {k: v for k, v in s.labels.items() if k in wanted or k == "job"}
             if len(have) > len(best):
                 best = have
@@ -90,8 +94,12 @@ def usual_controls(scenarios: Path) -> list[Path]:
     return [scenarios / n for n in one + two]
 
 
-def write_false_alarms(control: Path, out: Path, keys: list[str], th: Thresholds | None = None) -> list[Path]:
-    """One ``false-alarm-<alert>-<control>`` scenario per alert key, replaying ``control``'s samples."""
+def write_false_alarms(control: Path, out: Path, keys: list[str], th: Thresholds | None = None,
+                       in_hand: bool = False, prefer: Mapping[str, str] | None = None) -> list[Path]:
+    """One ``false-alarm-<alert>-<control>`` scenario per alert key, replaying ``control``'s samples.
+
+    ``in_hand``: ``<control>-as-<alert>`` instead, of kind control: the alerts a quiet drill (a restart) must not
+    fire, each a question on its recording, beside the set's one false alarm per alert."""
     th = th or load_thresholds()
     sc = load_scenario(control)
     at, profile = float(sc["evaluated_at"]), str(sc.get("profile") or "drill")
@@ -100,13 +108,15 @@ def write_false_alarms(control: Path, out: Path, keys: list[str], th: Thresholds
         for key in keys:
             spec = th.alert(key)
             expr = defs.alert_def(spec).expr(th, spec, profile)
-            labels = labels_from(rp.prom, at, expr, defs.ALERTS[key].labels)
+            labels = labels_from(rp.prom, at, expr, defs.ALERTS[key].labels, prefer)
             alert = false_alarm(th, key, labels, at, profile)
-            name = f"false-alarm-{key.replace('_', '-')}-{control.name}"
+            name = (f"{control.name}-as-{key.replace('_', '-')}" if in_hand
+                    else f"false-alarm-{key.replace('_', '-')}-{control.name}")
             d = out / name
             d.mkdir(parents=True, exist_ok=True)
             data: dict[str, Any] = {
-                "name": name, "expected_cause": None, "kind": "false_alarm", "expected_alert": spec.name,
+                "name": name, "expected_cause": None, "kind": "control" if in_hand else "false_alarm",
+                "expected_alert": spec.name,
                 "description": f"{spec.name} presented as firing on {control.name}, where nothing was wrong: "
                                "triage must find no cause",
                 "evaluated_at": at, "evaluated_at_iso": sc.get("evaluated_at_iso"),
