@@ -80,6 +80,7 @@ def _service_and_rank_series(n: int) -> list[Series]:
                    Series("stepwatch_queue_wait_seconds_count", pl, ramp(100, n)),
                    Series("stepwatch_queue_depth", pl, const(0, n))]
     series += [Series("stepwatch_service_ready", lab, const(1, n)) for lab in svc]
+    series += [Series("up", lab, const(1, n)) for lab in svc]
     for lab, ranks in ((svc[0], (1.0, 1.25)), (svc[1], (2.0, 2.0))):
         for r, t in enumerate(ranks):
             rl = {**lab, "rank": str(r)}
@@ -115,6 +116,8 @@ def _expected_per_window(w: str, scrape_s: int, headroom: float | None) -> Sampl
         f"instance_rank:stepwatch_rank_busy_seconds:ratio_to_fastest_rate{w}": ranks,
         f"pool:stepwatch_service_requests:error_ratio_rate{w}": [
             ({"job": SVC, "pool": "large"}, 0.1), ({"job": SVC, "pool": "small"}, 0.0)],
+        # both scraped at every interval: complete, so both count in the fleet comparisons below
+        f"instance:stepwatch_up_samples:ratio_to_most_rate{w}": [(i(0), 1.0), (i(1), 1.0)],
         # two instances at 0.25 and 0.75 s per step: their median 0.5 (quantile interpolates)
         f"shape:stepwatch_pipeline_step_duration_seconds:median_instance_rate{w}": [(fleet, 0.5)],
         f"shape:stepwatch_pipeline_step_duration_seconds:instances_rate{w}": [(fleet, 2)],

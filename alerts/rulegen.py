@@ -133,12 +133,21 @@ def _ranks_and_errors(w: str) -> list[Recording]:
     ]
 
 
-def _fleet(w: str, headroom: float | None) -> list[Recording]:
+def _fleet(w: str, headroom: float | None, complete: float) -> list[Recording]:
     """Each instance against the fleet (the median instance per shape), and the pool's capacity: the seeds' formula,
-    instances needed = QPS x worker seconds per request x headroom (none without ``alerts.pool_capacity``)."""
-    mean = f"instance_shape:{STEP}:mean_rate{w}"
+    instances needed = QPS x worker seconds per request x headroom (none without ``alerts.pool_capacity``).
+
+    Only instances whose data are complete over the window count (``diagnosis.complete_ratio`` of the scrapes
+    the best-covered instance of the job has): a node agent paused for a minute leaves its instances a mean over
+    the few samples around the gap, which named a healthy replica slow."""
+    samples = f"instance:stepwatch_up_samples:ratio_to_most_rate{w}"
+    mean = f"(instance_shape:{STEP}:mean_rate{w} and on (job, instance) {samples} >= {num(complete)})"
     median = f"shape:{STEP}:median_instance_rate{w}"
     out = [
+        Recording(samples, f"  count_over_time(up[{w}])\n/ on (job) group_left\n"
+                           f"  max by (job) (count_over_time(up[{w}]))",
+                  f"each target's scrapes over {w} / the most any target of its job has (1: complete; a gap, "
+                  "a paused node agent, reads less)"),
         Recording(median, f"quantile by (job, shape) (0.5, {mean})",
                   f"the median instance's mean seconds per step over {w}, per shape (the fleet's typical instance)"),
         Recording(f"shape:{STEP}:instances_rate{w}", f"count by (job, shape) ({mean})",
@@ -192,8 +201,9 @@ def recording_rules(th: Thresholds) -> list[Recording]:
     out: list[Recording] = []
     capacity = th.alerts.get("pool_capacity")
     headroom = capacity_headroom(capacity) if capacity is not None else None
+    complete = float(th.diagnosis.get("complete_ratio", 0.0))
     for w in windows(th):
-        out += _step_and_cache(w) + _mfu(w) + _ranks_and_errors(w) + _fleet(w, headroom)
+        out += _step_and_cache(w) + _mfu(w) + _ranks_and_errors(w) + _fleet(w, headroom, complete)
     return out + _gauge_recordings()
 
 

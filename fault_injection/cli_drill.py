@@ -19,9 +19,9 @@ video-vae-untiled, cache-on-distilled and video-worker-killed (video jobs and th
 model), stream-stall, stream-cpu-contention, kv-window-too-long, drift and window-drift (streaming sessions),
 replica-lost, node-lost, agent-lost, alertmanager-peer-lost, central-store-outage, bad-instance,
 replica-config-drift, rolling-update, pool-short and replica-gpu-throttle (``fleet``: on one start of the
-practice fleet, ``stepwatch fleet up``), routine-restart and config-rollout (day-two operations: a fleet
-replica restarted on its own configuration, which must page nobody; a configuration rolled out by restart),
-or all.
+practice fleet, ``stepwatch fleet up``), routine-restart, agent-paused and config-rollout (day-two
+operations: a fleet replica restarted on its own configuration, which must page nobody; a node agent paused
+for 90 s; a configuration rolled out by restart), or all.
 
 ``--record DIR`` re-records the triage evaluation set on the code as it is: run
 ``stepwatch drill all --record triage/scenarios --suffix N`` (and

@@ -12,11 +12,15 @@ baked the bad setting in.
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import time
 from typing import Any
 
+from stepwatch import httpclient
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.drill import Drill, DrillResult
-from stepwatch.fault_injection.fleet_drills import FleetDrill, service_ready
+from stepwatch.fault_injection.fleet_drills import FleetDrill, NodeDrill, service_ready
 from stepwatch.fault_injection.stack import DRILL_SERVICE, LocalStack
 
 
@@ -53,6 +57,55 @@ class RoutineRestart(FleetDrill):
     def after(self, stack: Any, r: DrillResult) -> None:
         r.checks["replica_restarted"] = bool(r.details.get("restarted"))
         r.checks["replica_serving"] = service_ready(stack, self.target)()
+
+
+class AgentPaused(NodeDrill):
+    """One node's Prometheus agent stopped (SIGSTOP) and continued after ``inject.pause_seconds``: a node agent
+    descheduled, swapped out or debugged.  Its replicas serve on; their series have a gap."""
+
+    name = "agent-paused"
+    doc_id = "agent_paused"
+    silent = ("instance_slow",)  # the gap's few samples once named a healthy replica slow
+    description = ("One node's Prometheus agent paused (SIGSTOP) for 90 s under traffic, then continued: "
+                   "StepwatchNodeSilent names the node, triage says agent_down; the gap in its replicas' series "
+                   "counts in no fleet comparison, so StepwatchInstanceSlow stays silent, after the pause too.")
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        pid = stack.child_pid(f"agent-{self.node}")
+        os.kill(pid, signal.SIGSTOP)
+        r.details.update(_agent_pid=pid, _paused_at=time.time())
+        r.notes.append(f"paused {self.node}'s agent (SIGSTOP); its replicas ({', '.join(self.replicas(stack))}) "
+                       "serve on")
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        ready = {name: httpclient.ok(stack.replica(name).service_url + "/readyz") for name in self.replicas(stack)}
+        r.checks["replicas_still_serve"] = bool(ready) and all(ready.values())
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        """SIGCONT once the pause is over (at once if the drill is cut short)."""
+        pause = float(self.spec.inject.get("pause_seconds", 90))
+        paused_at, pid = r.details.pop("_paused_at", None), r.details.pop("_agent_pid", None)
+        if pid is None:
+            return
+        if paused_at is not None and not r.failures:
+            time.sleep(max(0.0, paused_at + pause - time.time()))
+        os.kill(pid, signal.SIGCONT)
+        r.details["paused_s"] = round(time.time() - (paused_at or time.time()), 1)
+
+    def after(self, stack: Any, r: DrillResult) -> None:
+        """A rate window and a bit after the agent continued, while the gap is in the window: no InstanceSlow."""
+        name, seen = self.th.alert("instance_slow").name, set()
+        deadline = time.time() + SETTLE_S
+        while time.time() < deadline:
+            seen |= {str(a.get("state")) for a in stack.prom.alerts() if a["labels"].get("alertname") == name}
+            time.sleep(2.0)
+        r.checks["no_instance_slow_after_the_pause"] = not seen
+        if seen:
+            r.failures.append(f"{name} was {'/'.join(sorted(seen))} after the agent continued")
+
+
+# After an agent continues: the drill profile's rate window (1m) and two scrapes, while the gap is in the window.
+SETTLE_S = 70.0
 
 
 class ConfigRollout(Drill):
@@ -112,4 +165,4 @@ def _leaf_knobs(change: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[st
     return out
 
 
-DAY_TWO_DRILLS: tuple[type[Drill], ...] = (RoutineRestart, ConfigRollout)
+DAY_TWO_DRILLS: tuple[type[Drill], ...] = (RoutineRestart, AgentPaused, ConfigRollout)

@@ -152,7 +152,8 @@ def test_explained_by_names_another_alert(th: Any, runbooks: dict[str, parse.Run
                      ("StepwatchQualityProbeFailing", "slower"): "StepwatchStepTimeRegression",
                      ("StepwatchStepTimeRegression", "serving_compiles"): "StepwatchServingRecompile",
                      ("StepwatchVideoJobsFailing", "oom"): "StepwatchOutOfMemory",
-                     ("StepwatchQualitySsimDrop", "few_step_hits"): "StepwatchCacheOnDistilledModel"}
+                     ("StepwatchQualitySsimDrop", "few_step_hits"): "StepwatchCacheOnDistilledModel",
+                     ("StepwatchInstanceSlow", "data_complete"): "StepwatchNodeSilent"}
     for (alert, _cid), target in joins.items():
         assert target in names and target != alert
 
@@ -271,7 +272,7 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       "bad_instance", "replica_gpu_throttle", "replica_config_drift", "rolling_update",
                                       "node_lost", "agent_lost", "pool_short",
                                       # day-two operations
-                                      "routine_restart", "config_rollout"]
+                                      "routine_restart", "agent_paused", "config_rollout"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:

@@ -808,3 +808,21 @@ def test_node_silent_tells_a_node_gone_from_its_agent_gone(balancer: float | Non
     assert inc.cause == cause
     asked = [q for q, _ in prom.queries if "haproxy_server_status" in q]
     assert len(asked) == 2 and all('job="prometheus-agent"' in q for q in asked) and 'node="node-1"' in asked[-1]
+
+
+@pytest.mark.parametrize("samples_ratio, cause", [(1.0, "bad_instance"), (0.4, None)])
+def test_instance_slow_on_incomplete_data_names_no_bad_instance(samples_ratio: float, cause: str | None) -> None:
+    """A paused node agent leaves its replica's series a gap: the instance-slow runbook asks whether its data are
+    complete before comparing it with the fleet, and does not advise draining a replica it cannot measure."""
+    node = {"job": "stepwatch-service", "instance": "127.0.0.11:8000", "pod": "replica-1", "node": "node-1"}
+    rules: list[tuple[str, float | Sample | None]] = [
+        (r"stepwatch_gpu_", None),  # no NVML on the practice fleet
+        (r"instance:stepwatch_up_samples:ratio_to_most_rate1m", Sample(node, samples_ratio)),
+        (r"ratio_to_fleet_median_rate1m", 1.4),  # an outlier by the numbers it has
+    ]
+    slow = _alert("instance_slow", instance="127.0.0.11:8000", shape="512x512_8s")
+    d = Engine(StubProm(rules), TH).run([slow]).incidents[0].primary  # type: ignore[arg-type]
+    assert d.cause == cause
+    assert (d.explained_by is not None) is (cause is None)
+    if d.explained_by is not None:
+        assert d.explained_by.alert == "StepwatchNodeSilent" and d.explained_by.labels.get("node") == "node-1"

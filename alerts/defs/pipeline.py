@@ -239,15 +239,27 @@ def _instance_slow_cases(p: Timing) -> list[Case]:
     rows = [(shape, I1, 1 + p.T * 1.1), (shape, I2, 1.0), (shape, I3, 1.0),  # one outlier of three: fires
             (close, I1, 1 + p.T * 0.9), (close, I2, 1.0), (close, I3, 1.0),  # just inside: silent
             (pair, I1, 3.0), (pair, I2, 1.0)]  # two instances: no median to stand out from, silent
+    series = _step_series(rows, n) + [Series("up", {"job": SVC, "instance": i}, const(1, n)) for i in (I1, I2, I3)]
+    # The same outlier, but its scrapes stopped after the first (a paused node agent): it no longer counts, and
+    # two instances have no median to stand out from.
+    gap = [*_step_series(rows[:3], n), Series("up", {"job": SVC, "instance": I1}, f"1 _x{n}"),
+           *(Series("up", {"job": SVC, "instance": i}, const(1, n)) for i in (I2, I3))]
+    return [Case(p.spec.key, f"{I1} at {num(1 + p.T * 1.1)}x the median of three fires; {num(1 + p.T * 0.9)}x "
+                 "does not; 3x of a pair does not", series,
+                 [Expect(fire - p.e, [], "for: not elapsed"),
+                  Expect(fire, [({"job": SVC, "instance": I1, "shape": shape}, p.T * 1.1)])]),
+            Case(p.spec.key, f"{I1} at {num(1 + p.T * 1.1)}x the median, its scrapes stopped: incomplete data "
+                 "count in no fleet comparison, silent", gap, [Expect(fire, [], "its data are incomplete")])]
+
+
+def _step_series(rows: list[tuple[str, str, float]], n: int) -> list[Series]:
+    """Per-step time series of (shape, instance, factor x 0.1 s per step) rows."""
     series = []
     for sh, inst, factor in rows:
         lab = {"job": SVC, "instance": inst, "shape": sh}
         series += [Series("stepwatch_pipeline_step_duration_seconds_count", lab, ramp(10, n)),
                    Series("stepwatch_pipeline_step_duration_seconds_sum", lab, ramp(10 * 0.1 * factor, n))]
-    return [Case(p.spec.key, f"{I1} at {num(1 + p.T * 1.1)}x the median of three fires; {num(1 + p.T * 0.9)}x "
-                 "does not; 3x of a pair does not", series,
-                 [Expect(fire - p.e, [], "for: not elapsed"),
-                  Expect(fire, [({"job": SVC, "instance": I1, "shape": shape}, p.T * 1.1)])])]
+    return series
 
 
 ALERTS = (
