@@ -223,7 +223,9 @@ class _HeldProm(_AlertsProm):
     ({"StepwatchInstanceSlow"}, set(), 0, True),  # a warning it does not name: a notice, not a page
     ({"StepwatchQualityProbeFailing"}, set(), 0, False),  # silent, seen firing by Prometheus
     (set(), {"StepwatchQualityProbeFailing"}, 0, False),  # or only notified (fired and resolved during the restart)
-    ({"StepwatchTargetDown"}, set(), 0, False),  # any critical firing in the watch
+    ({"StepwatchTargetDown"}, set(), 30, False),  # a critical firing in the watch, held 150 s: a page
+    ({"StepwatchTargetDown"}, set(), 6, True),  # still firing as the watch starts after a 30-s restart: no page
+    ({"StepwatchTargetDown"}, {"StepwatchTargetDown"}, 6, True),  # both, asked once
     (set(), {"StepwatchTargetDown"}, 6, True),  # notified in the drill profile, held 30 s: no page in production
     (set(), {"StepwatchTargetDown"}, 30, False),  # held 150 s: a page in production too
 ])
@@ -240,6 +242,7 @@ def test_a_quiet_drill_passes_on_silence_and_fails_on_any_page(seen: set[str], n
     runner._judge(drill, r, w)
     assert r.passed is passes, (r.checks, r.failures)
     assert "detected" not in r.checks and "triage_names_the_cause" not in r.checks
+    assert len([n for n in r.notes if n.startswith("StepwatchTargetDown fired")]) <= 1  # asked once
 
 
 def test_baseline_traffic_must_get_200s() -> None:
