@@ -88,7 +88,9 @@ def test_service_killed_mid_probe_sidecar_survives(tmp_path: Path) -> None:
     s = ServiceProc(tmp_path / "svc", {"compile": {"enabled": False}})
     capture_baseline(s.url, PROBES, tmp_path / "base")
     registry = CollectorRegistry()
-    p = Prober(s.url, registry=registry, baseline_dir=tmp_path / "base", probe_set=PROBES, timeout_s=5)
+    # Killed for good, not restarted: no not-ready grace (prober.NOT_READY_GRACE_S; a restart gets one, below).
+    p = Prober(s.url, registry=registry, baseline_dir=tmp_path / "base", probe_set=PROBES, timeout_s=5,
+               not_ready_grace_s=0)
     served0 = total(s.metrics(), "stepwatch_service_requests_total", code="200")
 
     def kill_after_three() -> None:  # mid-set: after the service has answered three probes of the run
@@ -115,6 +117,11 @@ def test_service_killed_mid_probe_sidecar_survives(tmp_path: Path) -> None:
         assert res2.status == "failed" and time.time() - t < 30
         d2 = scrape(registry)
         assert total(d2, "stepwatch_quality_probe_failures_total", reason="connect") >= 1
+        # With the grace, the same refused connections are a restart in progress: nothing failed yet.
+        q = Prober(s.url, registry=CollectorRegistry(), baseline_dir=tmp_path / "base", probe_set=PROBES, timeout_s=5)
+        res3 = q.run_once()
+        assert res3.status == "not_ready" and res3.failures == {}, res3
+        q.close()
     finally:
         killer.join(timeout=70)
         s.close()
