@@ -201,7 +201,7 @@ def recording_rules(th: Thresholds) -> list[Recording]:
     out: list[Recording] = []
     capacity = th.alerts.get("pool_capacity")
     headroom = capacity_headroom(capacity) if capacity is not None else None
-    complete = float(th.diagnosis.get("complete_ratio", 0.0))
+    complete = float(th.diagnosis["complete_ratio"])  # a missing key fails here, at generation
     for w in windows(th):
         out += _step_and_cache(w) + _mfu(w) + _ranks_and_errors(w) + _fleet(w, headroom, complete)
     return out + _gauge_recordings()
