@@ -28,7 +28,7 @@ from stepwatch.bench.overhead import _ci
 from stepwatch.exporter.rank_align import publish_ranks
 from stepwatch.exporter.rank_timeline import INTERVAL_S, Timeline, stamping
 from stepwatch.exporter.ranks import _TARGET, PerRequestReporter, RankReporter
-from stepwatch.procs import free_port
+from stepwatch.procs import exit_without_finalizing, free_port
 
 VARIANTS = ("bare", "before", "now")
 
@@ -190,6 +190,7 @@ def _rank(rank: int, world: int, port: int, out: str, rounds: int, size: int, st
         Path(out).write_text(json.dumps(times))
     dist.barrier()
     dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo's threads must not outlive into finalization (stepwatch/procs.py)
 
 
 def per_collective_ns(calls: int = 200_000) -> dict[str, float]:

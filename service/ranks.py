@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stepwatch.procs import die_with_parent, free_port
+from stepwatch.procs import die_with_parent, exit_without_finalizing, free_port
 from stepwatch.service.messages import RankProc
 from stepwatch.service.worker import Worker, configure_process, start
 
@@ -73,6 +73,12 @@ def _rank_entry(cfg: dict[str, Any], conn: Connection | None, rank: int, world: 
     dist.destroy_process_group()
 
 
+def _follower_entry(*args: Any) -> None:
+    """A follower rank's process: its rank's loop, then out without finalizing (procs.exit_without_finalizing)."""
+    _rank_entry(*args)
+    exit_without_finalizing(0)
+
+
 def ranks_main(cfg: dict[str, Any], conn: Any, world: int) -> None:
     """Entry point of the worker process in multi-rank mode: rank 0 here, ranks 1.. as children."""
     port = free_port()
@@ -82,7 +88,7 @@ def ranks_main(cfg: dict[str, Any], conn: Any, world: int) -> None:
     procs: list[RankProc] = [{"rank": 0, "pid": os.getpid(), "cpus": cpus[0]}]
     children = []
     for r in range(1, world):
-        c = ctx.Process(target=_rank_entry, args=(cfg, None, r, world, port, cpus[r], threads[r], []),
+        c = ctx.Process(target=_follower_entry, args=(cfg, None, r, world, port, cpus[r], threads[r], []),
                         name=f"stepwatch-rank{r}", daemon=True)
         c.start()
         children.append(c)
@@ -95,3 +101,4 @@ def ranks_main(cfg: dict[str, Any], conn: Any, world: int) -> None:
             c.join(timeout=10)
             if c.is_alive():
                 c.kill()
+    exit_without_finalizing(0)  # rank 0's gloo threads too (reached when serving ended; an error raises past it)

@@ -15,15 +15,18 @@ that lives as long as they should (the main thread).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1
 
@@ -126,6 +129,27 @@ def die_with_parent() -> bool:
     if arm is not None:
         arm()
     return arm is not None
+
+
+def exit_without_finalizing(code: int = 0) -> NoReturn:
+    """End a process that ran gloo collectives: logs and stdio flushed, then ``os._exit``, no finalization.
+
+    CPython's finalization ends any thread that then asks for the GIL with ``pthread_exit``.  A gloo worker
+    thread asks for it when it drops the last reference to a finished collective (the tensors of an
+    ``AsyncAllgatherWork`` hold Python objects), and ``destroy_process_group`` leaves gloo's threads running.
+    Preempted between finishing the all-gather and freeing it (a rank crowded on its CPU), the thread
+    reaches its destructor after the main thread began finalizing; the forced unwind meets that noexcept
+    destructor and ``std::terminate`` aborts the rank ("terminate called without an active exception";
+    the core's backtrace: ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop`` under
+    ``PyThread_exit_thread``).  ``os._exit`` ends those threads with the process instead.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to lose
+            pass
+    os._exit(code)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

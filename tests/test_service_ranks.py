@@ -10,6 +10,8 @@ still hits, and every request's rank stamps reach rank 0 (the exporter itself ad
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from stepwatch.procs import free_port
+from stepwatch.procs import exit_without_finalizing, free_port
 
 pytestmark = pytest.mark.heavy
 
@@ -25,7 +27,7 @@ PROMPTS = ("a red fox in snow", "city at night", "a bowl of fruit", "mountain la
 REQUESTS = 8
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, pin: list[int] | None = None) -> None:
     import torch
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
@@ -36,6 +38,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     from stepwatch.service.cache import apply_cache
     from stepwatch.service.pipeline import build_pipeline, prompt_words
 
+    if pin is not None:
+        os.sched_setaffinity(0, {pin[rank]})
     torch.set_num_threads(1)
     torch.accelerator.device_count = lambda: 1  # type: ignore[method-assign]  # CPU ranks, as service/ranks.py
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -64,6 +68,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         Path(out).write_text(json.dumps({"decisions": gathered, "rank_seconds": reporter.last, "busy": busy,
                                          "pending": len(reporter.aligner.requests) if reporter.aligner else -1}))
     dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo's threads must not outlive into finalization (stepwatch/procs.py)
 
 
 def test_two_ranks_agree_on_every_cache_decision_and_never_hang(tmp_path: Path) -> None:
@@ -80,10 +85,77 @@ def test_two_ranks_agree_on_every_cache_decision_and_never_hang(tmp_path: Path) 
     assert all(b > 0 for b in result["busy"].values())
 
 
-# A crowded rank charged its busy time (rank 1 pinned beside a busy loop, its busy seconds past 1.1x rank 0's)
-# runs by name: ``stepwatch bench soak --ranks 2 --hogs 1 --minutes 3``, which also fails on any abort line.
-# As a test here it aborted one rank ("terminate called without an active exception", SIGABRT) in 1 of 4
-# fresh-clone suites and 1 of 36 runs alone: the open native crash of the two-rank path, not a timing margin.
+def test_a_crowded_rank_is_charged_its_busy_time(tmp_path: Path) -> None:
+    """The straggler-neighbour drill's point, in seconds: each rank pinned to a CPU of its own (as the service
+    pins them), a busy loop beside rank 1; rank 1's busy seconds must pass the rank-skew line, 1.1x rank 0's.
+
+    This spawn is also the reproducer of the two-rank abort: a rank crowded on its CPU had its gloo thread
+    free the last all-gather after finalization began (stepwatch/procs.exit_without_finalizing).  The
+    operator's long run of it runs by name: ``stepwatch bench soak --ranks 2 --hogs 1 --minutes 3``."""
+    import torch.multiprocessing as mp
+
+    from stepwatch.fault_injection.neighbours import start_neighbours
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: the ranks cannot have one each")
+    out = tmp_path / "ranks.json"
+    hogs = start_neighbours([cpus[1]], 1)
+    try:
+        mp.spawn(_rank, args=(2, free_port(), str(out), cpus[:2]), nprocs=2, join=True)
+    finally:
+        for p in hogs:
+            p.kill()
+            p.wait()
+    busy = json.loads(out.read_text())["busy"]
+    assert busy["1"] > 1.1 * busy["0"], busy
+
+
+def _gather_then_end(rank: int, world: int, port: int, finalize: bool) -> None:
+    """The abort's mechanism made certain: a gloo thread frees a finished all-gather while finalization begins.
+
+    Rank 0 enqueues late, so rank 1's all-gather completes on its gloo thread while rank 1's main thread holds
+    the GIL (a switch interval of 1000 s); the thread frees the work it holds the last reference to, and waits
+    for the GIL to drop the tensors' Python objects.  A buffered line makes finalization's flush release it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    if rank == 0:
+        time.sleep(0.3)
+    sys.setswitchinterval(1000.0)
+    dist.all_gather([torch.empty(1000) for _ in range(world)], torch.ones(1000), async_op=True)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 1.0:  # Python holds the GIL while gloo runs and frees the all-gather
+        pass
+    print(f"rank {rank} gathered")
+    if not finalize:
+        exit_without_finalizing(0)
+
+
+def _aborts(finalize: bool, runs: int, stop_at_first: bool = False) -> int:
+    import torch.multiprocessing as mp
+
+    aborts = 0
+    for _ in range(runs):
+        try:
+            mp.spawn(_gather_then_end, args=(2, free_port(), finalize), nprocs=2, join=True)
+        except mp.ProcessExitedException as e:
+            assert "SIGABRT" in str(e), e
+            aborts += 1
+            if stop_at_first:
+                break
+    return aborts
+
+
+def test_a_rank_ends_without_finalizing_so_gloo_cannot_abort_it() -> None:
+    """The two-rank abort ("terminate called without an active exception"; the core's backtrace:
+    ~AsyncAllgatherWork in ProcessGroupGloo::runLoop under PyThread_exit_thread): ending by finalization it
+    comes in 9 of 10 runs of this reproducer (at least once in eight here, or the reproducer no longer
+    reproduces), and never with ``exit_without_finalizing``."""
+    assert _aborts(finalize=True, runs=8, stop_at_first=True) == 1
+    assert _aborts(finalize=False, runs=5) == 0
 
 
 def _compiled_rank(rank: int, world: int, port: int, out: str) -> None:
@@ -130,6 +202,7 @@ def _compiled_rank(rank: int, world: int, port: int, out: str) -> None:
                          for r in "01"}}))
     reporter.close()
     dist.destroy_process_group()
+    exit_without_finalizing(0)
 
 
 def test_the_stamps_survive_torch_compile_on_two_ranks(tmp_path: Path) -> None:
