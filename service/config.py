@@ -170,6 +170,9 @@ class ServiceConfig:
     # own GPU; a process beside one rank then slows that rank alone (the straggler drill's neighbour).
     pin_ranks: bool = True
     baselines: str | None = None  # per-shape step time / hit-rate baselines published as gauges
+    # A practice fault (the replica-bad-weights drill): {layer: <transformer module>, noise: <x its weights' std>}
+    # damages that module's weights after loading, as a lost FP8 scale would; null in any real deployment.
+    weights_damage: dict[str, Any] | None = None
     # Where the service keeps its last configuration (service/config_history.py), so a restart onto another
     # configuration is told from a routine one.  A directory that outlives the process (a pod's volume); None:
     # only changes within one process (knob calls, worker restarts) are known.
@@ -372,6 +375,10 @@ def _check_deployment(cfg: ServiceConfig) -> None:
         raise ConfigError(f"baselines: {cfg.baselines} is not a file")
     if cfg.model is not None and not (Path(cfg.model) / "model_index.json").is_file():
         raise ConfigError(f"model: {cfg.model} is not a diffusers model directory (no model_index.json)")
+    d = cfg.weights_damage
+    if d is not None and not (isinstance(d, dict) and set(d) == {"layer", "noise"} and isinstance(d["layer"], str)
+                              and d["layer"] and isinstance(d["noise"], (int, float)) and d["noise"] > 0):
+        raise ConfigError(f"weights_damage: {{layer: <transformer module>, noise: <number > 0>}} or null, got {d!r}")
 
 
 def _check_limits(cfg: ServiceConfig) -> None:

@@ -274,3 +274,21 @@ def weights_digest(pipe: Any) -> str:
             h.update(f"{name}.{key}".encode())
             h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def damage_weights(pipe: Any, layer: str, noise: float, seed: int = 0) -> int:
+    """The practice fault of config ``weights_damage``: Gaussian noise, ``noise`` times each weight matrix's own
+    standard deviation, added to the transformer's module ``layer``, as a lost FP8 scale or a bad shard damages
+    one instance's weights.  Applied after the weights digest on purpose: the checkpoint is the fleet's, so the
+    fingerprint matches and only the quality probes can tell.  Returns how many tensors it damaged."""
+    modules = dict(pipe.transformer.named_modules())
+    if layer not in modules:
+        raise ValueError(f"weights_damage.layer: the transformer has no module {layer!r}")
+    g = torch.Generator().manual_seed(seed)
+    damaged = 0
+    with torch.no_grad():
+        for p in modules[layer].parameters():
+            if p.dim() >= 2:
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * p.float().std().to(p.dtype) * noise)
+                damaged += 1
+    return damaged

@@ -51,7 +51,7 @@ from stepwatch.service.messages import (
     WarmupRun,
     internal_message,
 )
-from stepwatch.service.pipeline import build_pipeline, weights_digest
+from stepwatch.service.pipeline import build_pipeline, damage_weights, weights_digest
 from stepwatch.service.worker_knobs import Knobs
 from stepwatch.service.worker_memory import Budget, vm_status
 from stepwatch.service.worker_requests import Requests
@@ -180,6 +180,11 @@ class Worker(Knobs, Requests):
         cfg = self.cfg
         self.pipe = build_pipeline(cfg.family, model=cfg.model, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
         self._weights = weights_digest(self.pipe)
+        if cfg.weights_damage is not None:
+            n = damage_weights(self.pipe, str(cfg.weights_damage["layer"]), float(cfg.weights_damage["noise"]),
+                               cfg.seed)
+            log.warning("weights_damage: %d weight tensors of %s damaged (a practice fault)", n,
+                        cfg.weights_damage["layer"])
         if self.world > 1:
             self.pipe.transformer.set_attention_backend("native")
             self.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=self.world))

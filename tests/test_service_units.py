@@ -61,6 +61,9 @@ def test_served_steps_get_shape_labels_of_their_own() -> None:
     ({"baselines": "/nonexistent/baselines.yaml"}, "baselines"),
     ({"thresholds_profile": "staging"}, "thresholds_profile"),
     ({"thresholds": "/nonexistent/thresholds.yaml"}, "thresholds"),
+    ({"weights_damage": {"layer": "transformer_blocks.0"}}, "weights_damage"),
+    ({"weights_damage": {"layer": "transformer_blocks.0", "noise": 0}}, "weights_damage"),
+    ({"weights_damage": {"layer": "", "noise": 1.0}}, "weights_damage"),
 ])
 def test_bad_config_names_the_key(raw: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -279,3 +282,20 @@ def test_a_client_is_told_an_errors_first_line_with_no_path_or_traceback() -> No
         said = internal_message(e)
     assert said == ("internal error (ValueError: RuntimeError when making fake tensor call <- RuntimeError: No viable "
                     "backend for scaled_dot_product_attention was found); the service's log has the details")
+
+
+def test_damaged_weights_change_one_module_and_not_the_digest_taken_before() -> None:
+    """The replica-bad-weights fault: noise on the named module's weight matrices only; an unknown module is
+    refused by name."""
+    import torch
+
+    from stepwatch.service.pipeline import build_pipeline, damage_weights
+
+    pipe = build_pipeline("flux", seed=0)
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    assert damage_weights(pipe, "transformer_blocks.0", 1.0) > 0
+    after = pipe.transformer.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("transformer_blocks.0.") for k in changed)
+    with pytest.raises(ValueError, match=r"no module 'blocks\.9'"):
+        damage_weights(pipe, "blocks.9", 1.0)
