@@ -156,7 +156,7 @@ def test_oom_and_memory_pressure_group_and_error_ratio_joins_them() -> None:
 def test_ranking_weighs_checks_for_and_against() -> None:
     # Quality drop: fingerprint fine, instances alike, hits up -> the cache; the other causes ruled out.
     rules: list[tuple[str, float | None]] = [
-        (r"baseline_stale", 0.0), (r"max\(stepwatch_quality_psnr_decibels.*- min", 0.4),
+        (r"baseline_stale", 0.0), (r"max\(\s*stepwatch_quality_psnr_decibels[\s\S]*- min", 0.4),
         (r"hit_ratio_rate1m", 2.1), (r"histogram_quantile", 0.6), (r'knob="cache_threshold"', 1.0),
         (r'knob="cache"', 0.0)]
     qd = _alert("quality_drop", instance="127.0.0.1:9465", probe_set="default", instance_id="svc", stat="p10")
