@@ -12,6 +12,9 @@ The wiring is the one fleets run:
   speak Prometheus' own API and PromQL (MetricsQL differs at the edges, e.g. ``rate`` extrapolation), and the
   same binary is already a dependency; VictoriaMetrics would be the choice past one node's memory
   (docs/fleet.md: "Scale on paper");
+- both evaluators also scrape a **blackbox exporter** that asks the users' endpoint, through the load
+  balancer, as a client would (``probe_success``, StepwatchEndpointDown): every other series comes from the
+  replicas, which a hung balancer does not touch;
 - both evaluators send to both **Alertmanagers**, which gossip (``--cluster.*``) and so notify once: the
   ``evaluator`` label is dropped from alerts before they are sent, so the two evaluators' copies of one alert
   are the same alert.
@@ -19,13 +22,14 @@ The wiring is the one fleets run:
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from stepwatch.alerts.rulegen import dump, header
 from stepwatch.alerts.stack import _target, alertmanager_binary, rule_file
-from stepwatch.thresholds import PROFILES, Thresholds, agent_job, load
+from stepwatch.thresholds import PROFILES, Thresholds, agent_job, load, probe_job
 
 EVALUATOR_LABEL = "evaluator"
 NODE_LABEL = "node"
@@ -71,11 +75,12 @@ def agent_config(node: str, jobs: Mapping[str, Sequence[str]], remote_write: Seq
 
 def central_config(evaluator: str, alertmanagers: Sequence[str], profile: str = "drill",
                    rule_files: Sequence[str | Path] | None = None, thresholds: Thresholds | None = None,
-                   agents: dict[str, str] | None = None) -> str:
+                   agents: dict[str, str] | None = None, blackbox: tuple[str, Sequence[str]] | None = None) -> str:
     """A central evaluator: receives remote writes, evaluates the rules, alerts every Alertmanager with its
     ``evaluator`` label dropped (both evaluators' copies of an alert are one alert to the cluster).  It scrapes
-    one thing itself: each node's agent (``agents``: {node: http://host:port}), whose ``up`` is the only series
-    that turns 0 when a whole node goes (StepwatchNodeSilent); everything else arrives by remote write."""
+    two things itself: each node's agent (``agents``: {node: http://host:port}), whose ``up`` is the only series
+    that turns 0 when a whole node goes (StepwatchNodeSilent), and the blackbox exporter (``blackbox``: its URL
+    and the endpoint URLs it probes); everything else arrives by remote write."""
     th = thresholds or load()
     p = _profile(th, profile)
     ams = []
@@ -92,9 +97,50 @@ def central_config(evaluator: str, alertmanagers: Sequence[str], profile: str = 
         "alerting": {"alert_relabel_configs": [{"action": "labeldrop", "regex": EVALUATOR_LABEL}],
                      "alertmanagers": ams},
     }
+    if blackbox is not None:
+        doc["scrape_configs"].append(blackbox_scrape(probe_job(th), blackbox[0], blackbox[1], p.scrape_interval))
     return header(f"Central evaluator {evaluator} of the fleet ({profile} profile)",
                   ["Receives the agents' remote writes (--web.enable-remote-write-receiver); evaluates the rules.",
                    "Its twin holds the same samples and rules under another evaluator label."]) + dump(doc)
+
+
+BLACKBOX_MODULE = "http_2xx"
+
+
+def blackbox_scrape(job: str, exporter: str, endpoints: Sequence[str], interval: str) -> dict[str, Any]:
+    """The blackbox exporter's documented scrape: each endpoint URL becomes the probe's ``target`` parameter and
+    the series' ``instance``; the scrape itself goes to the exporter.  Its timeout is the interval: the exporter
+    gives the probe that much less half a second, so a hung endpoint fails the probe, not the scrape."""
+    return {"job_name": job, "metrics_path": "/probe", "params": {"module": [BLACKBOX_MODULE]},
+            "scrape_interval": interval, "scrape_timeout": interval,
+            "static_configs": [{"targets": list(endpoints)}],
+            "relabel_configs": [{"source_labels": ["__address__"], "target_label": "__param_target"},
+                                {"source_labels": ["__param_target"], "target_label": "instance"},
+                                {"target_label": "__address__", "replacement": _target(exporter, "blackbox")[1]}]}
+
+
+
+def blackbox_config() -> str:
+    """One module: GET the URL, any 2xx within the scrape's timeout is success (the users' endpoint answers)."""
+    doc = {"modules": {BLACKBOX_MODULE: {"prober": "http", "http": {"method": "GET",
+                                                                    "preferred_ip_protocol": "ip4"}}}}
+    return header("Blackbox exporter of the fleet: the users' endpoint, probed through the balancer",
+                  ["The central evaluators scrape /probe?module=http_2xx&target=<endpoint>."]) + dump(doc)
+
+
+def blackbox_binary() -> str:
+    """``prometheus-blackbox-exporter`` (Debian) or ``blackbox_exporter`` (upstream)."""
+    for name in ("prometheus-blackbox-exporter", "blackbox_exporter"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise FileNotFoundError("neither prometheus-blackbox-exporter nor blackbox_exporter is on PATH "
+                            "(apt-get install -y prometheus-blackbox-exporter)")
+
+
+def blackbox_argv(config: str | Path, listen: str, binary: str | None = None) -> list[str]:
+    return [binary or blackbox_binary(), f"--config.file={config}", f"--web.listen-address={listen}",
+            "--log.level=warn"]
 
 
 def agent_argv(config: str | Path, data_dir: str | Path, listen: str, binary: str = "prometheus") -> list[str]:

@@ -16,7 +16,7 @@ from stepwatch.alerts.promql import (
     sum_rate,
 )
 from stepwatch.dashboards.board import F_POOL, INST, RATE, RED, Board, T
-from stepwatch.thresholds import capacity_headroom, stall_floor
+from stepwatch.thresholds import balancer_job, capacity_headroom, probe_job, stall_floor
 
 
 def traffic_row(b: Board) -> None:
@@ -77,6 +77,7 @@ def fleet_row(b: Board) -> None:
     window = b.th.profiles["production"].rate_window  # recorded in both rule files under the same names
     needed, ready = f"job:stepwatch_service_instances:needed_rate{window}", "job:stepwatch_service_instances:ready"
     b.row("Fleet: capacity")
+    _endpoint_panel(b)
     b.timeseries(
         pc.panel, f"""Instances the pool needs (requests per second, plus queue growth, x worker seconds per
         request x {num(capacity_headroom(pc))}, over {window}) against the instances ready.
@@ -92,6 +93,19 @@ def fleet_row(b: Board) -> None:
         [T(sum_rate(sel("stepwatch_service_requests_total", F_POOL), RATE, "job, pool"), "{{pool}} requests/s"),
          T(sel(f"pool:stepwatch_service_work_seconds:mean_rate{window}", F_POOL), "{{pool}} seconds/request")],
         min_=0)
+
+
+def _endpoint_panel(b: Board) -> None:
+    """What clients see: the black-box probe through the balancer, beside the balancer's own scrape."""
+    ed = b.th.alert("endpoint_down")
+    probes, balancer = sel("probe_success", f'job="{probe_job(b.th)}"'), sel("up", f'job="{balancer_job(b.th)}"')
+    b.timeseries(
+        ed.panel, f"""The blackbox exporter's probe of the users' endpoint through the load balancer (1 = answered
+        2xx in time), per probed URL, and whether the balancer's own exporter is scraped. Healthy: both at 1.
+        The probe at 0 for {ed.for_["production"]} is {ed.name}; with the balancer's scrape at 0 too and its node
+        agent up, the balancer hangs or is gone.""", "short",
+        [T(f"max by (instance) ({probes})", "probe {{instance}}"), T(f"max({balancer})", "balancer scraped", "ref")],
+        alerts=["endpoint_down"], min_=0, max_=1, decimals=0, span=24, height=6)
 
 
 def _worker_stall_panel(b: Board) -> None:

@@ -2,7 +2,8 @@
 
 N replicas (service + sidecar each, its own worker) behind haproxy (least outstanding requests, health checks
 on /readyz), one Prometheus agent per node remote-writing to two central evaluators (the rules run on both),
-two Alertmanagers clustered by gossip, a webhook receiver.  Prints every URL; send traffic to the balancer,
+a blackbox exporter probing the users' endpoint through the balancer (scraped by both evaluators), two
+Alertmanagers clustered by gossip, a webhook receiver.  Prints every URL; send traffic to the balancer,
 query either evaluator, read alerts on either Alertmanager.  Everything stops on Ctrl-C or SIGTERM.
 See fault_injection/fleet.py for the wiring and alerts/fleet.py for the configs.
 """
@@ -34,6 +35,7 @@ def _urls(f: FleetStack) -> list[str]:
     lines += [f"agent {n:<7} {u}" for n, u in enumerate(f.agents)]
     lines += [f"evaluator {n}   {u}" for n, u in zip("ab", f.evaluators, strict=False)]
     lines += [f"alertmanager  {u}" for u in f.alertmanagers]
+    lines += [f"blackbox      {f.blackbox_url}   (probes {f.endpoint_url})"]
     return lines
 
 

@@ -6,7 +6,8 @@ an eviction), which must page nobody; before the prober knew a restart from an o
 A configuration rolled out by restart is next: no knob call, so the knob gauges (against the start-up
 values) read unchanged, and before the service kept its start-up configuration across restarts
 (service/config_history.py) triage blamed the prompt mix and advised a new baseline, which would have
-baked the bad setting in.
+baked the bad setting in.  One replica with damaged weights is the seeds' self-test: the fleet's probes, one
+sidecar per replica, must name it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import signal
 import time
 from typing import Any
 
+from stepwatch import httpclient
 from stepwatch.fault_injection import queries
 from stepwatch.fault_injection.drill import Drill, DrillResult
-from stepwatch.fault_injection.fleet_drills import AgentLost, FleetDrill, service_ready
+from stepwatch.fault_injection.fleet_drills import AgentLost, FleetDrill, ReplicaConfigDrift, service_ready
 from stepwatch.fault_injection.stack import DRILL_SERVICE, LocalStack
 
 
@@ -161,4 +163,70 @@ def _leaf_knobs(change: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[st
     return out
 
 
-DAY_TWO_DRILLS: tuple[type[Drill], ...] = (RoutineRestart, AgentPaused, ConfigRollout)
+class ReplicaBadWeights(ReplicaConfigDrift):
+    """One replica rolled out with damaged transformer weights (the service's ``weights_damage`` fault, after the
+    weights digest: same checkpoint, same fingerprint), as one instance's lost FP8 scales are: only its probes
+    see it.  ReplicaConfigDrift's check while firing: the quality alert names that replica alone."""
+
+    name = "replica-bad-weights"
+    doc_id = "replica_bad_weights"
+    description = ("One replica rolled out with damaged weights (noise on one transformer block after loading, "
+                   "fingerprint unchanged), the seeds' self-test: its probe PSNR falls below the gate, the "
+                   "others' do not; StepwatchQualityDrop names it alone, triage says bad_instance.")
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        damage = {"layer": str(self.spec.inject["layer"]), "noise": float(self.spec.inject["noise"])}
+        stack.rollout(self.target, service_ready(stack, self.target), {"weights_damage": damage})
+        r.notes.append(f"{self.target} rolled out with {damage['layer']}'s weights damaged "
+                       f"(noise {damage['noise']:g}x their std)")
+
+
+class BalancerFrozen(FleetDrill):
+    """The load balancer stopped (SIGSTOP) and continued after ``inject.pause_seconds``: a hung haproxy (a stuck
+    reload, a descheduled or debugged process).  It holds its sockets, so nothing refuses a connection: clients
+    wait, and its exporter's scrape times out with the users' requests."""
+
+    name = "balancer-frozen"
+    doc_id = "balancer_frozen"
+    target_label = "instance"
+    health_turns_red = True  # the users' endpoint is what hangs: red through the balancer is the fault itself
+    companions = ("target_down",)  # the balancer's own exporter times out with it (triaged balancer_down too)
+    # Requests sent during the pause wait in the balancer's backlog and are answered when it continues (200);
+    # 0: a client that gave up first.
+    baseline_accepts = frozenset({200, 0})
+    description = ("The fleet's haproxy paused (SIGSTOP) for 60 s under traffic, then continued: clients wait. "
+                   "StepwatchEndpointDown fires from the black-box probe through the balancer, and triage says "
+                   "balancer_down (its node agent answers, the replicas are ready), not host_down.")
+
+    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
+        return bool(alert.get("labels", {}).get("alertname") == self.expected)
+
+    def target_labels(self) -> dict[str, str]:
+        return {}
+
+    def inject(self, stack: Any, r: DrillResult) -> None:
+        pid = stack.child_pid("haproxy")
+        os.kill(pid, signal.SIGSTOP)
+        r.details.update(_balancer_pid=pid, _paused_at=time.time())
+        r.notes.append("paused haproxy (SIGSTOP); the replicas, agents and evaluators run on")
+
+    def while_firing(self, stack: Any, r: DrillResult) -> None:
+        """The replicas behind it still answer their own readiness: only the balancer hangs."""
+        ready = {m.name: httpclient.ok(m.service_url + "/readyz") for m in stack.members}
+        r.details["replicas_ready"] = ready
+        r.checks["replicas_still_ready"] = bool(ready) and all(ready.values())
+
+    def restore(self, stack: Any, r: DrillResult) -> None:
+        """SIGCONT once the pause is over (at once if the drill has already failed)."""
+        pause = float(self.spec.inject.get("pause_seconds", 60))
+        paused_at, pid = r.details.pop("_paused_at", None), r.details.pop("_balancer_pid", None)
+        if pid is None:
+            return
+        if paused_at is not None and not r.failures:
+            time.sleep(max(0.0, paused_at + pause - time.time()))
+        os.kill(pid, signal.SIGCONT)
+        r.details["paused_s"] = round(time.time() - (paused_at or time.time()), 1)
+
+
+DAY_TWO_DRILLS: tuple[type[Drill], ...] = (RoutineRestart, AgentPaused, ConfigRollout, ReplicaBadWeights,
+                                           BalancerFrozen)

@@ -5,8 +5,8 @@ Every part is a child process on a free loopback port, as in the one-instance st
 
     replica i: service (its own worker) + sidecar          haproxy (leastconn, /readyz checks, /metrics)
         │ scraped by the agent of node i % nodes                │ scraped by node 0's agent
-        ▼                                                       ▼
-    Prometheus agent per node ── remote_write ──► central evaluator a, central evaluator b (rules)
+        ▼                                                       ▼                ▲ probed through it
+    Prometheus agent per node ── remote_write ──► central evaluator a, b (rules) ◄─ blackbox exporter
                                                           │ alerts (evaluator label dropped)
                                                           ▼
                                      Alertmanager 1 ◄─ gossip ─► Alertmanager 2 ──► webhook (once)
@@ -49,9 +49,9 @@ from stepwatch.fault_injection.traffic import Traffic, running_traffic, set_knob
 from stepwatch.fault_injection.webhook import WebhookReceiver
 from stepwatch.procs import Child, free_port
 from stepwatch.promapi import Alertmanager, Prometheus
-from stepwatch.service.balancer import BALANCER_JOB, haproxy_argv, haproxy_config, in_flight, set_state
+from stepwatch.service.balancer import haproxy_argv, haproxy_config, in_flight, set_state
+from stepwatch.thresholds import balancer_job, parse_duration
 from stepwatch.thresholds import load as load_thresholds
-from stepwatch.thresholds import parse_duration
 
 log = logging.getLogger("stepwatch.fleet")
 
@@ -120,6 +120,7 @@ class FleetStack:
     members: list[Replica] = field(default_factory=list)
     balancer_url: str = ""
     balancer_metrics_url: str = ""
+    blackbox_url: str = ""
     agents: list[str] = field(default_factory=list)
     evaluators: list[str] = field(default_factory=list)
     alertmanagers: list[str] = field(default_factory=list)
@@ -151,6 +152,7 @@ class FleetStack:
             self.webhook = WebhookReceiver()
             self.webhook.start()
             self._start_alertmanagers(deadline)
+            self._start_blackbox(deadline)
             self._start_evaluators(deadline)
             self._start_replicas(deadline)
             self._start_balancer(deadline)
@@ -313,7 +315,8 @@ class FleetStack:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             cfg = self.workdir / f"central-{name}.yml"
-            cfg.write_text(fcfg.central_config(name, self.alertmanagers, self.profile, agents=agents))
+            cfg.write_text(fcfg.central_config(name, self.alertmanagers, self.profile, agents=agents,
+                                               blackbox=(self.blackbox_url, [self.endpoint_url])))
             self._child(f"central-{name}", fcfg.central_argv(cfg, self.workdir / f"central-{name}-data",
                                                              f"127.0.0.1:{port}"))
             self.evaluators.append(url)
@@ -377,9 +380,23 @@ class FleetStack:
         """One replica's admin knobs (the fleet as a whole has none: its drills change replicas, not knobs)."""
         return set_knobs(self.replica(name).service_url, ADMIN_TOKEN, knobs)
 
+    @property
+    def endpoint_url(self) -> str:
+        """What the black-box probe asks through the balancer: a replica's readiness, as a client reaches it."""
+        return self.balancer_url + "/readyz"
+
+    def _start_blackbox(self, deadline: float) -> None:
+        """The blackbox exporter; the balancer's ports are chosen now (it starts after the replicas), so the
+        evaluators' configs can name the endpoint it probes."""
+        self.balancer_url, self.balancer_metrics_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        self.blackbox_url = f"http://127.0.0.1:{free_port()}"
+        cfg = self.workdir / "blackbox.yml"
+        cfg.write_text(fcfg.blackbox_config())
+        self._child("blackbox", fcfg.blackbox_argv(cfg, self.blackbox_url.removeprefix("http://")))
+        self._wait(_ok(self.blackbox_url + "/-/healthy"), "blackbox exporter", deadline)
+
     def _start_balancer(self, deadline: float) -> None:
-        port, mport = free_port(), free_port()
-        self.balancer_url, self.balancer_metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}"
+        port, mport = (int(u.rsplit(":", 1)[1]) for u in (self.balancer_url, self.balancer_metrics_url))
         cfg = self.workdir / "haproxy.cfg"
         cfg.write_text(haproxy_config(f"127.0.0.1:{port}", f"127.0.0.1:{mport}",
                                       [(r.name, r.service_url.removeprefix("http://")) for r in self.members],
@@ -393,7 +410,7 @@ class FleetStack:
             mine = [r for r in self.members if r.node == node]
             jobs = {cfgs.SERVICE_JOB: [f"{r.service_url}/metrics" for r in mine],
                     cfgs.SIDECAR_JOB: [f"{r.sidecar_url}/metrics" for r in mine],
-                    BALANCER_JOB: [f"{self.balancer_metrics_url}/metrics"] if n == 0 else []}
+                    balancer_job(load_thresholds()): [f"{self.balancer_metrics_url}/metrics"] if n == 0 else []}
             cfg = self.workdir / f"agent-{node}.yml"
             pods = {f"{u}/metrics": r.name for r in mine for u in (r.service_url, r.sidecar_url)}
             cfg.write_text(fcfg.agent_config(node, jobs, self.evaluators, self.profile, pods=pods))

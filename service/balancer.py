@@ -21,7 +21,8 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-BALANCER_JOB = "stepwatch-balancer"
+from stepwatch.thresholds import BALANCER_JOB as BALANCER_JOB  # the default of alerts.endpoint_down.balancer_job
+
 BACKEND = "replicas"
 
 

@@ -304,7 +304,13 @@ PROMETHEUS_SERIES: dict[str, frozenset[str] | None] = {
 }
 # The fleet's other parts: haproxy's built-in exporter (the balancer's health check of each replica), whose
 # series the fleet's agents label with their node.
-FOREIGN_SERIES: dict[str, frozenset[str]] = {"haproxy_server_status": frozenset({"proxy", "server", "state", "node"})}
+FOREIGN_SERIES: dict[str, frozenset[str]] = {
+    "haproxy_server_status": frozenset({"proxy", "server", "state", "node"}),
+    # The blackbox exporter's probe of the users' endpoint through the balancer (alerts.endpoint_down).
+    "probe_success": frozenset(),
+    "probe_duration_seconds": frozenset(),
+    "probe_http_status_code": frozenset(),
+}
 
 _NAME_RE = re.compile(r"^stepwatch_[a-z]+_[a-z0-9_]+$")
 _UNITS = ("_seconds", "_bytes", "_tokens", "_ratio", "_total", "_flops", "_per_second", "_hertz", "_celsius",

@@ -103,6 +103,21 @@ def agent_job(th: Thresholds) -> str:
     return str(spec.extra.get("agent_job", AGENT_JOB)) if spec is not None else AGENT_JOB
 
 
+PROBE_JOB, BALANCER_JOB = "stepwatch-endpoint", "stepwatch-balancer"
+
+
+def probe_job(th: Thresholds) -> str:
+    """The job under which the central evaluators scrape the blackbox exporter (``alerts.endpoint_down``)."""
+    spec = th.alerts.get("endpoint_down")
+    return str(spec.extra.get("probe_job", PROBE_JOB)) if spec is not None else PROBE_JOB
+
+
+def balancer_job(th: Thresholds) -> str:
+    """The job under which a node agent scrapes the load balancer's exporter (``alerts.endpoint_down``)."""
+    spec = th.alerts.get("endpoint_down")
+    return str(spec.extra.get("balancer_job", BALANCER_JOB)) if spec is not None else BALANCER_JOB
+
+
 @dataclass(frozen=True)
 class Quality:
     gates_db: dict[str, float]

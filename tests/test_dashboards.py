@@ -380,6 +380,8 @@ NEVER_HAPPENS_HERE = {
 FLEET_ONLY = {
     ("Node agents up", "A"): "no node agents on one instance",
     ("Node agents up", "B"): "no load balancer on one instance",
+    ("Users' endpoint probe", "A"): "no black-box probe on one instance (its endpoint is the fleet's balancer)",
+    ("Users' endpoint probe", "B"): "no load balancer on one instance",
 }
 IMAGE_PROBES_ONLY = {
     ("Probe SSIM worst frame vs gate, by probe set", "A"): "an image probe set: no SSIM gate",

@@ -34,15 +34,20 @@ def test_agent_and_central_configs_pass_promtool(tmp_path: Path) -> None:
 
     central = tmp_path / "central.yml"
     central.write_text(fcfg.central_config("a", ["http://127.0.0.1:9201", "http://127.0.0.1:9202"],
-                                           agents={"node-0": "http://127.0.0.1:9301"}))
+                                           agents={"node-0": "http://127.0.0.1:9301"},
+                                           blackbox=("http://127.0.0.1:9115", ["http://127.0.0.1:8080/readyz"])))
     doc = yaml.safe_load(central.read_text())
     assert doc["global"]["external_labels"] == {"evaluator": "a"}
     assert doc["alerting"]["alert_relabel_configs"] == [{"action": "labeldrop", "regex": "evaluator"}]
     assert len(doc["alerting"]["alertmanagers"]) == 2
-    # The one scrape of its own: the node agents, labelled by node (StepwatchNodeSilent reads their up).
-    [job] = doc["scrape_configs"]
+    # Its own scrapes: the node agents, labelled by node (StepwatchNodeSilent reads their up), and the blackbox
+    # exporter, its probe's target the endpoint (StepwatchEndpointDown reads probe_success by that instance).
+    job, probe = doc["scrape_configs"]
     assert job["job_name"] == "prometheus-agent"
     assert job["static_configs"] == [{"targets": ["127.0.0.1:9301"], "labels": {"node": "node-0"}}]
+    assert probe["job_name"] == "stepwatch-endpoint" and probe["metrics_path"] == "/probe"
+    assert probe["static_configs"] == [{"targets": ["http://127.0.0.1:8080/readyz"]}]
+    assert probe["relabel_configs"][-1] == {"target_label": "__address__", "replacement": "127.0.0.1:9115"}
     r = subprocess.run(["promtool", "check", "config", str(central)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -122,8 +127,10 @@ def test_load_through_the_balancer_at_three_replicas(fleet: Any) -> None:
     from stepwatch.promapi import Prometheus
 
     for url in fleet.evaluators:  # every target reached both evaluators through the node agents
-        up = Prometheus(url).query('up{job!="prometheus-agent"}')
+        up = Prometheus(url).query('up{job!~"prometheus-agent|stepwatch-endpoint"}')
         assert len(up) == 7 and all(s.value == 1 for s in up), up
+        probes = Prometheus(url).query('probe_success{job="stepwatch-endpoint"}')  # the users' endpoint answers
+        assert [(s.labels["instance"], s.value) for s in probes] == [(fleet.endpoint_url, 1.0)], probes
         assert {s.labels["node"] for s in up} == {"node-0", "node-1"}
         agents = Prometheus(url).query(queries.agents_up())  # and each evaluator scrapes each node's agent
         assert sorted((s.labels["node"], s.value) for s in agents) == [("node-0", 1.0), ("node-1", 1.0)]

@@ -251,6 +251,25 @@ def test_judge_and_follow(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
     assert cause == "config_changed" and [s.check.id for s in trail][-1] == "rolled_out"
 
 
+@pytest.mark.parametrize("alert, outcomes, cause", [
+    # The endpoint's probe fails: the balancer's own scrape, its host's agent, the replicas behind it.
+    ("StepwatchEndpointDown", {"balancer_scraped": "unhealthy", "balancer_host": "healthy"}, "balancer_down"),
+    ("StepwatchEndpointDown", {"balancer_scraped": "unhealthy", "balancer_host": "unhealthy"}, "host_down"),
+    ("StepwatchEndpointDown", {"balancer_scraped": "healthy", "replicas_ready": "unhealthy"}, "backends_down"),
+    ("StepwatchEndpointDown", {"balancer_scraped": "healthy", "replicas_ready": "healthy"}, None),
+    # TargetDown on the balancer's exporter asks the balancer's node agent, not other targets on its address.
+    ("StepwatchTargetDown", {"balancer_target": "unhealthy", "balancer_host": "healthy"}, "balancer_down"),
+    ("StepwatchTargetDown", {"balancer_target": "unhealthy", "balancer_host": "unhealthy"}, "host_down"),
+    ("StepwatchTargetDown", {"balancer_target": "healthy", "host_alive": "healthy"}, "process_down"),
+    ("StepwatchTargetDown", {"balancer_target": "healthy", "host_alive": "unhealthy"}, "host_down"),
+])
+def test_a_frozen_balancer_is_told_from_its_host_and_its_replicas(runbooks: dict[str, parse.Runbook], alert: str,
+                                                                  outcomes: dict[str, str], cause: str | None) -> None:
+    """Each path ends where the outcomes say, having asked exactly those checks."""
+    got, trail = parse.follow(runbooks[alert], lambda c: outcomes[c.id])  # type: ignore[return-value]
+    assert got == cause and [s.check.id for s in trail] == list(outcomes)
+
+
 def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[str, parse.Runbook]) -> None:
     drills = parse.load_drills()
     assert [d.id for d in drills] == ["cache_past_gate", "off_menu_resolutions", "vae_tiling_off", "straggler_rank",
@@ -272,7 +291,8 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
                                       "bad_instance", "replica_gpu_throttle", "replica_config_drift", "rolling_update",
                                       "node_lost", "agent_lost", "pool_short",
                                       # day-two operations
-                                      "routine_restart", "agent_paused", "config_rollout"]
+                                      "routine_restart", "agent_paused", "config_rollout", "replica_bad_weights",
+                                      "balancer_frozen"]
     for d in drills:
         assert d.within == "60s"
         for alert in d.alerts:
@@ -280,7 +300,7 @@ def test_drills_name_causes_their_alerts_runbooks_reach(th: Any, runbooks: dict[
         for alert, cause in d.also.items():  # an alert in hand: its runbook (or its join) can reach the cause
             assert d.alerts and alert != d.alerts[0] and th.by_name(alert) is not None, (d.id, alert)
             assert cause in CAUSES, (d.id, alert, cause)
-    assert sum(len(d.also) for d in drills) == 37
+    assert sum(len(d.also) for d in drills) == 38
 
 
 def test_a_quiet_drill_has_no_alert_and_no_cause(tmp_path: Path) -> None:
@@ -561,3 +581,34 @@ def test_queue_stall_line_is_the_longer_of_the_stall_limit_and_the_queue_line(
               {"series": f"stepwatch_worker_expected_seconds{{{labels}}}", "values": f"{expected_s}x12"},
               {"series": f"stepwatch_queue_slo_seconds{{{labels}}}", "values": f"{slo}x12"}]
     _promtool_evaluates(tmp_path, series, q, "5s", "55s", '{instance="i0", pool="small"}', value)
+
+
+@pytest.mark.needs_tool("promtool")
+@pytest.mark.parametrize("silent_after_s, spread", [(None, 19.0), (60, 0.0)])
+def test_the_quality_spread_counts_only_instances_with_complete_data(
+        runbooks: dict[str, parse.Runbook], tmp_path: Path, silent_after_s: int | None, spread: float) -> None:
+    """quality-drop.md's one_instance check, run by promtool on three sidecars: the third's PSNR 19 dB below the
+    others.  Reported throughout, it is the spread (bad_instance); its node silent for the last minute (its last
+    PSNR still within the lookback), it counts in no comparison and the spread is the complete two's, 0."""
+    th = load()
+    check = next(c for c in runbooks["StepwatchQualityDrop"].checks if c.id == "one_instance")
+    query = check.render({"probe_set": "fleet"}, th, "drill")
+    n = 24  # two minutes of 5 s scrapes
+    series = []
+    for i, psnr in enumerate((36.0, 36.0, 17.0)):
+        labels = f'job="stepwatch-sidecar", instance="10.0.0.{i}:9400"'
+        values = f"1x{n}" if i < 2 or silent_after_s is None else f"1x{silent_after_s // 5} _x{n - silent_after_s // 5}"
+        psnr_values = f"{psnr}x{n}" if values.startswith("1x24") else f"{psnr}x{silent_after_s // 5}"
+        series += [{"series": f"up{{{labels}}}", "values": values},
+                   {"series": f'stepwatch_quality_psnr_decibels{{{labels}, probe_set="fleet", stat="p10"}}',
+                    "values": psnr_values}]
+    (tmp_path / "check.rules.yml").write_text(yaml.safe_dump(
+        {"groups": [{"name": "check", "rules": [{"record": "check_value", "expr": query}]}]}))
+    (tmp_path / "check.test.yml").write_text(yaml.safe_dump({
+        "rule_files": ["check.rules.yml"], "evaluation_interval": "5s",
+        "tests": [{"interval": "5s", "input_series": series,
+                   "promql_expr_test": [{"expr": "check_value", "eval_time": "115s",
+                                         "exp_samples": [{"labels": "check_value", "value": spread}]}]}]}))
+    r = subprocess.run(["promtool", "test", "rules", "check.test.yml"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert check.judge([spread], th, "drill") == ("unhealthy" if spread else "healthy")

@@ -20,7 +20,7 @@ from stepwatch.alerts.defs.base import (
     rate_window,
 )
 from stepwatch.alerts.promql import events, num, past_limit, sel, sum_increase
-from stepwatch.thresholds import AlertSpec, Thresholds, capacity_headroom, stall_floor
+from stepwatch.thresholds import AlertSpec, Thresholds, capacity_headroom, probe_job, stall_floor
 
 SUBSYSTEM = "service"
 
@@ -159,6 +159,26 @@ def _capacity_cases(p: Timing) -> list[Case]:
                   Expect(fire, [({"job": "stepwatch-a"}, p.T * 1.1)])])]
 
 
+# ----- the users' endpoint -------------------------------------------------------------------
+
+def _endpoint_expr(th: Thresholds, spec: AlertSpec, profile: str) -> str:
+    """The black-box probe through the balancer, by probed URL: failed on both evaluators' own scrapes alike
+    (each evaluator scrapes the blackbox exporter itself; its copy of the alert is the same alert)."""
+    probes = sel("probe_success", f'job="{probe_job(th)}"')
+    return f"max by (instance) ({probes}) == {num(spec.threshold)}"
+
+
+def _endpoint_cases(p: Timing) -> list[Case]:
+    n = p.n(p.F + p.s)
+    job = probe_job(p.th)
+    down, up = "http://10.0.0.9:8080/readyz", "http://10.0.0.8:8080/readyz"
+    series = [Series("probe_success", {"job": job, "instance": down}, const(0, n)),
+              Series("probe_success", {"job": job, "instance": up}, const(1, n)),
+              Series("probe_success", {"job": "other-blackbox", "instance": "http://10.0.0.7/"}, const(0, n))]
+    return [Case(p.spec.key, "the endpoint's probe fails; another endpoint's succeeds; another job's probe is not ours",
+                 series, [pending(p), Expect(p.F or p.e, [({"instance": down}, 0.0)])])]
+
+
 ALERTS = (
     # A probe that times out or gets 429 behind the queue is the queue's story.
     AlertDef("queue_wait", _queue_expr, ("instance", "pool"), _queue_cases, explains=("queue_backlog",)),
@@ -167,4 +187,5 @@ ALERTS = (
     AlertDef("nonfinite_outputs", _nonfinite_expr, ("instance", "pool"), _nonfinite_cases),
     AlertDef("video_jobs_failing", _video_failing_expr, ("instance", "pool", "outcome"), _video_failing_cases),
     AlertDef("pool_capacity", _capacity_expr, (), _capacity_cases, rate_based=True),
+    AlertDef("endpoint_down", _endpoint_expr, ("instance",), _endpoint_cases),
 )
