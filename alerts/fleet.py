@@ -119,7 +119,6 @@ def blackbox_scrape(job: str, exporter: str, endpoints: Sequence[str], interval:
                                 {"target_label": "__address__", "replacement": _target(exporter, "blackbox")[1]}]}
 
 
-
 def blackbox_config() -> str:
     """One module: GET the URL, any 2xx within the scrape's timeout is success (the users' endpoint answers)."""
     doc = {"modules": {BLACKBOX_MODULE: {"prober": "http", "http": {"method": "GET",

@@ -60,6 +60,24 @@ class RoutineRestart(FleetDrill):
         r.checks["replica_serving"] = service_ready(stack, self.target)()
 
 
+def pause(pid: int, r: DrillResult) -> None:
+    """SIGSTOP a process, as a descheduled, swapped-out or debugged one is: it holds its sockets and answers
+    nothing.  ``resume`` continues it."""
+    os.kill(pid, signal.SIGSTOP)
+    r.details.update(_paused_pid=pid, _paused_at=time.time())
+
+
+def resume(r: DrillResult, seconds: float) -> None:
+    """SIGCONT the paused process once ``seconds`` are over (at once if the drill has already failed)."""
+    paused_at, pid = r.details.pop("_paused_at", None), r.details.pop("_paused_pid", None)
+    if pid is None:
+        return
+    if paused_at is not None and not r.failures:
+        time.sleep(max(0.0, paused_at + seconds - time.time()))
+    os.kill(pid, signal.SIGCONT)
+    r.details["paused_s"] = round(time.time() - (paused_at or time.time()), 1)
+
+
 class AgentPaused(AgentLost):
     """One node's Prometheus agent stopped (SIGSTOP) and continued after ``inject.pause_seconds``: a node agent
     descheduled, swapped out or debugged.  Its replicas serve on (AgentLost's check while firing); their series
@@ -73,22 +91,12 @@ class AgentPaused(AgentLost):
                    "counts in no fleet comparison, so StepwatchInstanceSlow stays silent, after the pause too.")
 
     def inject(self, stack: Any, r: DrillResult) -> None:
-        pid = stack.child_pid(f"agent-{self.node}")
-        os.kill(pid, signal.SIGSTOP)
-        r.details.update(_agent_pid=pid, _paused_at=time.time())
+        pause(stack.child_pid(f"agent-{self.node}"), r)
         r.notes.append(f"paused {self.node}'s agent (SIGSTOP); its replicas ({', '.join(self.replicas(stack))}) "
                        "serve on")
 
     def restore(self, stack: Any, r: DrillResult) -> None:
-        """SIGCONT once the pause is over (at once if the drill has already failed)."""
-        pause = float(self.spec.inject.get("pause_seconds", 90))
-        paused_at, pid = r.details.pop("_paused_at", None), r.details.pop("_agent_pid", None)
-        if pid is None:
-            return
-        if paused_at is not None and not r.failures:
-            time.sleep(max(0.0, paused_at + pause - time.time()))
-        os.kill(pid, signal.SIGCONT)
-        r.details["paused_s"] = round(time.time() - (paused_at or time.time()), 1)
+        resume(r, float(self.spec.inject.get("pause_seconds", 90)))
 
     def after(self, stack: Any, r: DrillResult) -> None:
         """A rate window and a bit after the agent continued, while the gap is in the window: no InstanceSlow."""
@@ -188,7 +196,6 @@ class BalancerFrozen(FleetDrill):
 
     name = "balancer-frozen"
     doc_id = "balancer_frozen"
-    target_label = "instance"
     health_turns_red = True  # the users' endpoint is what hangs: red through the balancer is the fault itself
     companions = ("target_down",)  # the balancer's own exporter times out with it (triaged balancer_down too)
     # Requests sent during the pause wait in the balancer's backlog and are answered when it continues (200);
@@ -205,9 +212,7 @@ class BalancerFrozen(FleetDrill):
         return {}
 
     def inject(self, stack: Any, r: DrillResult) -> None:
-        pid = stack.child_pid("haproxy")
-        os.kill(pid, signal.SIGSTOP)
-        r.details.update(_balancer_pid=pid, _paused_at=time.time())
+        pause(stack.child_pid("haproxy"), r)
         r.notes.append("paused haproxy (SIGSTOP); the replicas, agents and evaluators run on")
 
     def while_firing(self, stack: Any, r: DrillResult) -> None:
@@ -217,15 +222,7 @@ class BalancerFrozen(FleetDrill):
         r.checks["replicas_still_ready"] = bool(ready) and all(ready.values())
 
     def restore(self, stack: Any, r: DrillResult) -> None:
-        """SIGCONT once the pause is over (at once if the drill has already failed)."""
-        pause = float(self.spec.inject.get("pause_seconds", 60))
-        paused_at, pid = r.details.pop("_paused_at", None), r.details.pop("_balancer_pid", None)
-        if pid is None:
-            return
-        if paused_at is not None and not r.failures:
-            time.sleep(max(0.0, paused_at + pause - time.time()))
-        os.kill(pid, signal.SIGCONT)
-        r.details["paused_s"] = round(time.time() - (paused_at or time.time()), 1)
+        resume(r, float(self.spec.inject.get("pause_seconds", 60)))
 
 
 DAY_TWO_DRILLS: tuple[type[Drill], ...] = (RoutineRestart, AgentPaused, ConfigRollout, ReplicaBadWeights,
