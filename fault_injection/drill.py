@@ -140,6 +140,9 @@ class Drill:
     def baseline_traffic(self) -> list[dict[str, Any]] | None:
         return None  # the stack's default mix
 
+    def settle(self, stack: LocalStack, r: DrillResult) -> None:
+        """Before the fault: wait for what its detection needs beyond quiet alerts (none by default)."""
+
     def inject(self, stack: LocalStack, r: DrillResult) -> None:
         raise NotImplementedError
 

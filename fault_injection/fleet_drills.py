@@ -44,6 +44,7 @@ from stepwatch.fault_injection.rivals import gpu_throttle
 from stepwatch.fault_injection.traffic import Traffic
 from stepwatch.fault_injection.webhook import starts_at
 from stepwatch.promapi import Alertmanager, Prometheus
+from stepwatch.thresholds import parse_duration
 
 
 def _sidecar_ready(stack: Any, replica: str) -> Any:
@@ -73,6 +74,20 @@ class FleetDrill(Drill):
 
     def target_labels(self) -> dict[str, str]:
         return {self.target_label: self.target}
+
+    def settle(self, stack: Any, r: DrillResult) -> None:
+        """Every instance's data complete over the rate window again: the fleet comparisons count an instance only
+        then (``diagnosis.complete_ratio``), so after a drill that restarted a replica or an agent, the next
+        drill's replica would be left out of them for up to a window and its fault detected late."""
+        complete = float(self.th.diagnosis["complete_ratio"])
+        window = self.th.profiles[stack.profile].rate_window
+        deadline = time.time() + 2 * parse_duration(window)
+        while time.time() < deadline:
+            least = stack.prom.query(queries.least_complete(window))
+            if least and least[0].value >= complete:
+                return
+            time.sleep(2.0)
+        r.notes.append(f"an instance's data still incomplete over {window} when the fault went in")
 
 
 class ReplicaLost(FleetDrill):

@@ -9,7 +9,7 @@ and lists it in :func:`drill_queries`.
 from __future__ import annotations
 
 from stepwatch.alerts.promql import agg, cache_hit_ratio, mean_step_time, quantile, sel, sum_rate
-from stepwatch.thresholds import AGENT_JOB
+from stepwatch.thresholds import AGENT_JOB, PROBE_JOB
 from stepwatch.thresholds import load as load_thresholds
 
 REQUEST_SECONDS_BUCKET = "stepwatch_service_request_duration_seconds_bucket"
@@ -101,10 +101,14 @@ def stream_chunk_psnr() -> str:
     return sel("stepwatch_quality_stream_chunk_psnr_decibels")
 
 
+# The central evaluators' own scrapes (the node agents, the blackbox exporter): not remote-written.
+_REMOTE_WRITTEN = f'job!~"{AGENT_JOB}|{PROBE_JOB}"'
+
+
 def targets_up() -> str:
     """Every remote-written target's ``up`` (the fleet: every target reached the central store through the node
     agents; the evaluators' own scrapes of the agents are ``agents_up``)."""
-    return sel("up", f'job!="{AGENT_JOB}"')
+    return sel("up", _REMOTE_WRITTEN)
 
 
 def agents_up() -> str:
@@ -115,7 +119,13 @@ def agents_up() -> str:
 def up_samples(window: str) -> str:
     """``up`` samples per remote-written target over ``window`` (a central-store outage: none of the window may
     be missing).  The evaluators' own scrapes of the node agents are not remote-written: down with them."""
-    return f'count_over_time(up{{job!="{AGENT_JOB}"}}[{window}])'
+    return f"count_over_time({sel('up', _REMOTE_WRITTEN)}[{window}])"
+
+
+def least_complete(window: str) -> str:
+    """The least complete remote-written target's scrapes over ``window`` against its job's best-covered one's
+    (1: every instance counts in the fleet comparisons, ``diagnosis.complete_ratio``)."""
+    return f"min(instance:stepwatch_up_samples:ratio_to_most_rate{window}{{{_REMOTE_WRITTEN}}})"
 
 
 def requests_ok_by_instance() -> str:
@@ -163,6 +173,7 @@ def drill_queries(window: str) -> dict[str, str]:
            "few_step_hits": few_step_hits(), "stream_chunk_psnr": stream_chunk_psnr(), "targets_up": targets_up(),
            "agents_up": agents_up(),
            "requests_ok_by_instance": requests_ok_by_instance(), "up_samples": up_samples(window),
+           "least_complete": least_complete(window),
            "rollout_keys": rollout_keys(), "alert_evaluations": alert_evaluations("StepwatchTargetDown", window)}
     for name, q in LATENCY_QUANTILES.items():
         out[f"request_{name}"] = request_quantile(q, window)

@@ -172,6 +172,7 @@ class Runner:
         """
         self.progress(f"[{drill.name}] baseline traffic; waiting until nothing fires")
         time.sleep(steady_s)
+        drill.settle(self.stack, r)
         self._remeasure_step_baselines(r, steady_s)
         watched = self._watched(drill)
         w.leftover = self.wait_quiet(set(watched) | self.critical, r=r)

@@ -182,7 +182,7 @@ def _each_replica_on_its_own_address(fleet: Any) -> None:
     assert len(set(hosts)) == 3 and "127.0.0.1" not in hosts, hosts
     clocks = Prometheus(fleet.evaluators[0]).query("stepwatch_gpu_sm_clock_hertz")
     assert sorted(s.labels["instance"].rsplit(":", 1)[0] for s in clocks) == sorted(hosts), clocks
-    up = Prometheus(fleet.evaluators[0]).query('up{job!~"prometheus-agent|stepwatch-balancer"}')
+    up = Prometheus(fleet.evaluators[0]).query('up{job!~"prometheus-agent|stepwatch-balancer|stepwatch-endpoint"}')
     assert sorted(s.labels["instance"].rsplit(":", 1)[0] for s in up) == sorted(hosts * 2), up
 
 
