@@ -22,13 +22,12 @@ The wiring is the one fleets run:
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from stepwatch.alerts.rulegen import dump, header
-from stepwatch.alerts.stack import _target, alertmanager_binary, rule_file
+from stepwatch.alerts.stack import _target, alertmanager_binary, debian_or_upstream, rule_file
 from stepwatch.thresholds import PROFILES, Thresholds, agent_job, load, probe_job
 
 EVALUATOR_LABEL = "evaluator"
@@ -129,12 +128,7 @@ def blackbox_config() -> str:
 
 def blackbox_binary() -> str:
     """``prometheus-blackbox-exporter`` (Debian) or ``blackbox_exporter`` (upstream)."""
-    for name in ("prometheus-blackbox-exporter", "blackbox_exporter"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise FileNotFoundError("neither prometheus-blackbox-exporter nor blackbox_exporter is on PATH "
-                            "(apt-get install -y prometheus-blackbox-exporter)")
+    return debian_or_upstream("prometheus-blackbox-exporter", "blackbox_exporter")
 
 
 def blackbox_argv(config: str | Path, listen: str, binary: str | None = None) -> list[str]:

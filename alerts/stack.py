@@ -134,14 +134,18 @@ def alertmanager_config(webhook_url: str = DEFAULTS["webhook_url"], profile: str
         + dump(doc)
 
 
-def alertmanager_binary() -> str:
-    """``prometheus-alertmanager`` (Debian) or ``alertmanager`` (upstream)."""
-    for name in ("prometheus-alertmanager", "alertmanager"):
+def debian_or_upstream(debian: str, upstream: str) -> str:
+    """The binary by its Debian package's name or its upstream one, whichever is on PATH."""
+    for name in (debian, upstream):
         found = shutil.which(name)
         if found:
             return found
-    raise FileNotFoundError("neither prometheus-alertmanager nor alertmanager is on PATH "
-                            "(apt-get install -y prometheus-alertmanager)")
+    raise FileNotFoundError(f"neither {debian} nor {upstream} is on PATH (apt-get install -y {debian})")
+
+
+def alertmanager_binary() -> str:
+    """``prometheus-alertmanager`` (Debian) or ``alertmanager`` (upstream)."""
+    return debian_or_upstream("prometheus-alertmanager", "alertmanager")
 
 
 def prometheus_argv(config: str | Path, data_dir: str | Path, listen: str = DEFAULTS["prometheus_listen"],
