@@ -196,6 +196,7 @@ class BalancerFrozen(FleetDrill):
 
     name = "balancer-frozen"
     doc_id = "balancer_frozen"
+    target_label = ""  # one balancer: its alert names the probed URL, no replica
     health_turns_red = True  # the users' endpoint is what hangs: red through the balancer is the fault itself
     companions = ("target_down",)  # the balancer's own exporter times out with it (triaged balancer_down too)
     # Requests sent during the pause wait in the balancer's backlog and are answered when it continues (200);
@@ -204,12 +205,6 @@ class BalancerFrozen(FleetDrill):
     description = ("The fleet's haproxy paused (SIGSTOP) for 60 s under traffic, then continued: clients wait. "
                    "StepwatchEndpointDown fires from the black-box probe through the balancer, and triage says "
                    "balancer_down (its node agent answers, the replicas are ready), not host_down.")
-
-    def expected_alert_matches(self, alert: dict[str, Any]) -> bool:
-        return bool(alert.get("labels", {}).get("alertname") == self.expected)
-
-    def target_labels(self) -> dict[str, str]:
-        return {}
 
     def inject(self, stack: Any, r: DrillResult) -> None:
         pause(stack.child_pid("haproxy"), r)
