@@ -137,9 +137,9 @@ def exit_without_finalizing(code: int = 0) -> NoReturn:
     CPython's finalization ends any thread that then asks for the GIL with ``pthread_exit``.  A gloo worker
     thread asks for it when it drops the last reference to a finished collective (the tensors of an
     ``AsyncAllgatherWork`` hold Python objects), and ``destroy_process_group`` leaves gloo's threads running.
-    Preempted between finishing the all-gather and freeing it (a rank crowded on its CPU), the thread
-    reaches its destructor after the main thread began finalizing; the forced unwind meets that noexcept
-    destructor and ``std::terminate`` aborts the rank ("terminate called without an active exception";
+    If it is still waiting for the GIL when the main thread begins finalizing (a rank crowded on its CPU, its
+    main thread busy), it is ended on getting it; the forced unwind meets that noexcept destructor and
+    ``std::terminate`` aborts the rank ("terminate called without an active exception";
     the core's backtrace: ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop`` under
     ``PyThread_exit_thread``).  ``os._exit`` ends those threads with the process instead.
     """

@@ -111,51 +111,72 @@ def test_a_crowded_rank_is_charged_its_busy_time(tmp_path: Path) -> None:
     assert busy["1"] > 1.1 * busy["0"], busy
 
 
-def _gather_then_end(rank: int, world: int, port: int, finalize: bool) -> None:
-    """The abort's mechanism made certain: a gloo thread frees a finished all-gather while finalization begins.
+class _SleepsInFinalization:
+    """Held in a module global of rank 1: its ``__del__`` runs in module teardown, after finalization has begun,
+    and lets go of the GIL there (as finalization's own flushes and joins may)."""
 
-    Rank 0 enqueues late, so rank 1's all-gather completes on its gloo thread while rank 1's main thread holds
-    the GIL (a switch interval of 1000 s); the thread frees the work it holds the last reference to, and waits
-    for the GIL to drop the tensors' Python objects.  A buffered line makes finalization's flush release it."""
+    def __init__(self) -> None:
+        self.sleep = time.sleep  # module globals may be gone by then
+
+    def __del__(self) -> None:
+        self.sleep(2.0)
+
+
+_HELD: list[_SleepsInFinalization] = []
+
+
+def _gather_then_end(rank: int, world: int, port: int, flag: str, finalize: bool) -> None:
+    """The abort's mechanism made certain: a gloo thread waits for the GIL when finalization begins.
+
+    Rank 1 enqueues an all-gather whose tensors only gloo still holds, and its main thread keeps the GIL
+    (a switch interval of 1000 s, nothing written, nothing waited on) while rank 0 joins; rank 1's gloo thread
+    completes the all-gather, frees it, and waits for the GIL to drop the tensors' Python objects.  The
+    main thread then ends: by finalization, which lets go of the GIL only once the interpreter is finalizing
+    (the thread is then made to exit inside a noexcept destructor: abort), or by ``exit_without_finalizing``.
+    A thread that asks for the GIL only after finalization began is safe: torch then leaks the objects."""
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     if rank == 0:
-        time.sleep(0.3)
+        deadline = time.time() + 50
+        while not Path(flag).exists() and time.time() < deadline:
+            time.sleep(0.01)
+        dist.all_gather([torch.empty(1000) for _ in range(world)], torch.ones(1000))
+        exit_without_finalizing(0)
+    _HELD.append(_SleepsInFinalization())
     sys.setswitchinterval(1000.0)
     dist.all_gather([torch.empty(1000) for _ in range(world)], torch.ones(1000), async_op=True)
+    Path(flag).touch()
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 1.0:  # Python holds the GIL while gloo runs and frees the all-gather
+    while time.perf_counter() - t0 < 2.0:  # rank 0 joins; the gloo thread completes and waits for the GIL
         pass
-    print(f"rank {rank} gathered")
     if not finalize:
         exit_without_finalizing(0)
 
 
-def _aborts(finalize: bool, runs: int, stop_at_first: bool = False) -> int:
+def _aborts(finalize: bool, runs: int, tmp_path: Path) -> int:
     import torch.multiprocessing as mp
 
     aborts = 0
-    for _ in range(runs):
+    for run in range(runs):
+        flag = tmp_path / f"{'finalize' if finalize else 'exit'}-{run}"
         try:
-            mp.spawn(_gather_then_end, args=(2, free_port(), finalize), nprocs=2, join=True)
+            mp.spawn(_gather_then_end, args=(2, free_port(), str(flag), finalize), nprocs=2, join=True)
         except mp.ProcessExitedException as e:
             assert "SIGABRT" in str(e), e
             aborts += 1
-            if stop_at_first:
-                break
     return aborts
 
 
-def test_a_rank_ends_without_finalizing_so_gloo_cannot_abort_it() -> None:
+def test_a_rank_ends_without_finalizing_so_gloo_cannot_abort_it(tmp_path: Path) -> None:
     """The two-rank abort ("terminate called without an active exception"; the core's backtrace:
-    ~AsyncAllgatherWork in ProcessGroupGloo::runLoop under PyThread_exit_thread): ending by finalization it
-    comes in 9 of 10 runs of this reproducer (at least once in eight here, or the reproducer no longer
-    reproduces), and never with ``exit_without_finalizing``."""
-    assert _aborts(finalize=True, runs=8, stop_at_first=True) == 1
-    assert _aborts(finalize=False, runs=5) == 0
+    ~AsyncAllgatherWork in ProcessGroupGloo::runLoop under PyThread_exit_thread): a rank whose gloo thread
+    waits for the GIL when finalization begins aborts, every time; a rank that ends with
+    ``exit_without_finalizing`` never does."""
+    assert _aborts(finalize=True, runs=2, tmp_path=tmp_path) == 2
+    assert _aborts(finalize=False, runs=3, tmp_path=tmp_path) == 0
 
 
 def _compiled_rank(rank: int, world: int, port: int, out: str) -> None:
