@@ -148,11 +148,14 @@ def central_argv(config: str | Path, data_dir: str | Path, listen: str, binary: 
 
 
 def alertmanager_cluster_argv(config: str | Path, data_dir: str | Path, listen: str, cluster_listen: str,
-                              peers: Sequence[str], binary: str | None = None) -> list[str]:
+                              peers: Sequence[str], binary: str | None = None, profile: str = "drill",
+                              thresholds: Thresholds | None = None) -> list[str]:
     """A clustered Alertmanager: gossip on ``cluster_listen`` (loopback), joined to ``peers``.  Settle and
-    gossip intervals are short so a two-member loopback cluster forms within seconds."""
+    gossip intervals are short so a two-member loopback cluster forms within seconds; the peer timeout is the
+    profile's (shorter than its group interval: stepwatch/thresholds.py _check_notification_timing)."""
+    timing = _profile(thresholds, profile)
     return [binary or alertmanager_binary(), f"--config.file={config}", f"--storage.path={data_dir}",
             f"--web.listen-address={listen}", f"--cluster.listen-address={cluster_listen}",
-            f"--cluster.advertise-address={cluster_listen}", *[f"--cluster.peer={p}" for p in peers],
+            f"--cluster.advertise-address={cluster_listen}", *[f"--cluster.peer={peer}" for peer in peers],
             "--cluster.gossip-interval=200ms", "--cluster.pushpull-interval=5s", "--cluster.settle-timeout=5s",
-            "--log.level=warn"]
+            f"--cluster.peer-timeout={timing.peer_timeout}", "--log.level=warn"]

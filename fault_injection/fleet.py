@@ -303,7 +303,7 @@ class FleetStack:
             self.alertmanagers.append(f"http://127.0.0.1:{port}")
             self._child(f"alertmanager-{n + 1}", fcfg.alertmanager_cluster_argv(
                 self.workdir / "alertmanager.yml", self.workdir / f"am-{n + 1}-data", f"127.0.0.1:{port}", listen,
-                [p for p in gossip if p != listen]))
+                [p for p in gossip if p != listen], profile=self.profile))
         for url in self.alertmanagers:
             self._wait(Alertmanager(url).ready, f"alertmanager {url}", deadline)
 

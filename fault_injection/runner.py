@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stepwatch.fault_injection import queries
+from stepwatch.fault_injection import notifications, queries
 from stepwatch.fault_injection.criteria import Criteria
 from stepwatch.fault_injection.criteria import load as load_criteria
 from stepwatch.fault_injection.drill import Drill, DrillResult, _rate_window, _scrape_s
 from stepwatch.fault_injection.recording import Recording
 from stepwatch.fault_injection.stack import LocalStack
 from stepwatch.fault_injection.traffic import Traffic
+from stepwatch.fault_injection.webhook import Notification
 from stepwatch.promapi import PromError
 from stepwatch.thresholds import Thresholds, parse_duration
 from stepwatch.thresholds import load as load_thresholds
@@ -154,6 +155,8 @@ class Runner:
             self._inject_and_watch(drill, r, w)
             self._resolve(drill, r, w)
             _attempt(r, "check after restore", lambda: drill.after(self.stack, r))
+            if drill.fleet and self.stack.webhook is not None:
+                self._count_notifications(r, self.stack.webhook.snapshot)
         self._judge_baseline_traffic(drill, r, traffic)
         self._judge(drill, r, w)
         if self.record is not None:
@@ -357,6 +360,19 @@ class Runner:
                     r.time_to_resolve_s = time.time() - r.restored_at
                     return
             time.sleep(2.0)
+
+    def _count_notifications(self, r: DrillResult, received: Callable[[], list[Notification]]) -> None:
+        """Every alert that started in the drill got one firing and one resolved notification (the Alertmanager
+        pair deduplicated, no repeat, no stale copy): counted once all are resolved and the receiver is quiet."""
+        p = self.th.profiles[getattr(self.stack, "profile", "drill")]
+        tail = sum(parse_duration(d) for d in (p.group_interval, p.peer_timeout, p.evaluation_interval)) + 2.0
+        found = notifications.settled(received, r.injected_at - r.injection_s, tail,
+                                      time.time() + self.criteria.resolve_deadline_s)
+        r.details["notifications"] = [e.describe() for e in found]
+        wrong = [e.describe() for e in found if not e.once_each]
+        r.checks["notified_once_each"] = not wrong
+        if wrong:
+            r.failures.append(f"notified other than once firing, once resolved: {wrong}")
 
     def _judge(self, drill: Drill, r: DrillResult, w: _Watch) -> None:
         """The pass/fail checks every drill shares, then the verdict over them and the drill's own."""

@@ -55,6 +55,7 @@ class Profile:
     group_wait: str = "30s"  # Alertmanager timings of this profile
     group_interval: str = "5m"
     repeat_interval: str = "4h"
+    peer_timeout: str = "15s"  # an Alertmanager's wait per peer ahead of it before it notifies (--cluster.peer-timeout)
 
 
 @dataclass(frozen=True)
@@ -219,8 +220,8 @@ def _profiles(raw: Any) -> dict[str, Profile]:
         p = _need(raw, name, "profiles")
         for k in ("scrape_interval", "evaluation_interval"):
             parse_duration(_need(p, k, f"profiles.{name}"), f"profiles.{name}.{k}")
-        optional = {k: str(p[k]) for k in ("rate_window", "group_wait", "group_interval", "repeat_interval")
-                    if k in p}
+        optional = {k: str(p[k]) for k in ("rate_window", "group_wait", "group_interval", "repeat_interval",
+                                           "peer_timeout") if k in p}
         for k, v in optional.items():
             parse_duration(v, f"profiles.{name}.{k}")
         profiles[name] = Profile(name, str(p["scrape_interval"]), str(p["evaluation_interval"]), **optional)
@@ -228,7 +229,40 @@ def _profiles(raw: Any) -> dict[str, Profile]:
         if window < 4 * parse_duration(profiles[name].scrape_interval):
             raise ThresholdsError(f"profiles.{name}.rate_window: {profiles[name].rate_window} is shorter than "
                                   "4 scrape intervals; rate() would be noise")
+        _check_notification_timing(profiles[name])
     return profiles
+
+
+def _check_notification_timing(p: Profile) -> None:
+    """Alertmanager's timings against each other and the evaluation interval, as an HA pair needs them.
+
+    The second Alertmanager of a pair waits ``peer_timeout`` before it checks what its peer notified; a wait as
+    long as ``group_interval`` makes its flushes overlap and send alert sets older than its peer's last
+    notification (a "firing" after the "resolved", upstream alertmanager#4008).  A group flushed more often than
+    alerts are evaluated only re-sends what it had; a repeat sooner than a flush never happens.  A flush that
+    falls on the evaluation which sends a resolution races it: one Alertmanager flushes just before the
+    resolution arrives, its peer just after, and the pair notifies firing, resolved, firing, resolved."""
+    seconds = {k: parse_duration(getattr(p, k)) for k in ("evaluation_interval", "group_wait", "group_interval",
+                                                          "repeat_interval", "peer_timeout")}
+    evaluation = seconds["evaluation_interval"]
+    if seconds["group_interval"] % evaluation:
+        raise ThresholdsError(f"profiles.{p.name}.group_interval: {p.group_interval} is not a whole number of "
+                              f"evaluation intervals ({p.evaluation_interval}): its flushes would drift onto the "
+                              "evaluations that send the alerts")
+    offset = seconds["group_wait"] % evaluation
+    if not evaluation / 5 <= offset <= evaluation * 4 / 5:
+        raise ThresholdsError(f"profiles.{p.name}.group_wait: {p.group_wait} puts a group's flushes {offset:g} s "
+                              f"after the evaluations that send its alerts (every {p.evaluation_interval}); "
+                              "keep it between 1/5 and 4/5 of an interval, or the pair notifies a resolution "
+                              "twice")
+    rules = [("peer_timeout", "group_interval", "shorter than"),
+             ("evaluation_interval", "group_interval", "at most"),
+             ("group_interval", "repeat_interval", "at most")]
+    for short, long, relation in rules:
+        ok = seconds[short] < seconds[long] if relation == "shorter than" else seconds[short] <= seconds[long]
+        if not ok:
+            raise ThresholdsError(f"profiles.{p.name}.{short}: {getattr(p, short)} must be {relation} "
+                                  f"{long} ({getattr(p, long)})")
 
 
 def _quality(q: Any) -> Quality:

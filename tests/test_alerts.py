@@ -325,6 +325,14 @@ def test_promql_metric_names() -> None:
     (lambda d: d["alerts"]["oom"]["labels"].update(severity="x"), "alerts.oom.labels.severity"),
     (lambda d: d["alerts"]["quality_drop"].update(threshold=2.5), "alerts.quality_drop.threshold: 2.5 differs"),
     (lambda d: d["profiles"]["drill"].update(rate_window="10s"), "profiles.drill.rate_window"),
+    (lambda d: d["profiles"]["drill"].update(peer_timeout="15s"),
+     "profiles.drill.peer_timeout: 15s must be shorter than group_interval (5s)"),
+    (lambda d: d["profiles"]["production"].update(repeat_interval="1m"),
+     "profiles.production.group_interval: 5m must be at most repeat_interval (1m)"),
+    (lambda d: d["profiles"]["production"].update(group_wait="30s"),
+     "profiles.production.group_wait: 30s puts a group's flushes 0 s after the evaluations"),
+    (lambda d: d["profiles"]["drill"].update(group_interval="7s"),
+     "profiles.drill.group_interval: 7s is not a whole number of evaluation intervals (5s)"),
     (lambda d: d.update(runbook_base_url="runbooks/"), "runbook_base_url"),
     (lambda d: d["diagnosis"].update(change_lookback="an hour"), "diagnosis.change_lookback"),
     (lambda d: d["diagnosis"].update(benign_clock_reasons=["gpu idle"]), "diagnosis.benign_clock_reasons"),
@@ -368,7 +376,7 @@ def test_stack_configs_follow_the_profile(th: Any) -> None:
     assert two["scrape_configs"][0]["static_configs"][0]["targets"] == ["127.0.0.1:8001", "127.0.0.1:8002"]
     assert two["global"]["scrape_interval"] == "15s"
     am = yaml.safe_load(stack.alertmanager_config("http://127.0.0.1:9466/alerts", profile="drill"))
-    assert am["route"]["group_wait"] == "1s" and am["route"]["repeat_interval"] == "1m"
+    assert am["route"]["group_wait"] == "2s" and am["route"]["repeat_interval"] == "1h"
     assert am["receivers"][0]["webhook_configs"] == [{"url": "http://127.0.0.1:9466/alerts", "send_resolved": True}]
     assert yaml.safe_load(stack.alertmanager_config(profile="production"))["route"]["repeat_interval"] == "4h"
     with pytest.raises(ValueError, match="sidecar_url"):
