@@ -74,8 +74,9 @@ def episodes(notes: Sequence[Notification], since: float) -> list[Episode]:
 
 def settled(notes: Callable[[], list[Notification]], since: float, tail_s: float, deadline: float,
             sleep: Callable[[float], None] = time.sleep) -> list[Episode]:
-    """The episodes once every one is resolved and nothing has arrived for ``tail_s`` (the longest a stale copy
-    can trail: a group interval, the peer's wait and an evaluation), or at ``deadline`` as they are then."""
+    """The episodes once every one is resolved and nothing has arrived for ``tail_s``, or at ``deadline`` as they
+    are then.  A stale copy trails the resolution by at most a group interval and the peer's wait: the peer's
+    flush in flight, or the next flush of an alert an evaluator sent firing again."""
     while True:
         seen = notes()
         found = episodes(seen, since)
