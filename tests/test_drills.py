@@ -339,7 +339,7 @@ def test_cpu_neighbour_dies_with_a_killed_drill_runner() -> None:
             os.kill(neighbour, signal.SIGKILL)
 
 
-# What CI runs live, and why no more: the suite must keep to its 45 minutes on a 2-core host, and one
+# What CI runs live, and why no more: the suite must keep to its 40 minutes on a 2-core host, and one
 # drill costs 50-125 s there (baseline traffic, the fault, the alert clearing after the restore); the one-rank
 # drills below take 538 s of the suite (docs/benchmarks.md, 2026-12-06). Live: the seeds' three and the
 # frozen one-rank worker with users arriving open loop (the freeze, the arrivals, the queue-wait alert and

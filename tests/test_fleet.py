@@ -197,7 +197,7 @@ def test_fleet_drills_pass_with_triage_on_the_central_store(fleet: Any) -> None:
     from stepwatch.thresholds import load
 
     th = load()
-    # By name and from their recordings, not here: the suite keeps to its 45 minutes (seven fleet drills live
+    # By name and from their recordings, not here: the suite keeps to its 40 minutes (seven fleet drills live
     # take it past 49). Each of these proves a part the others here do not use:
     # rolling-update (recordings -28, -29; its rollout is replica-config-drift's), replica-gpu-throttle (-30, -31; its
     # slowed replica is bad-instance's, its check's own address _each_replica_on_its_own_address), pool-short
