@@ -91,6 +91,9 @@ class Drill:
     stream_probe = False  # its alert reads the sidecar's drift probe: the stack runs it (LocalStack.stream_probe)
     fleet = False  # it runs on the practice fleet (fault_injection/fleet.py), not on a one-instance stack
     health_turns_red = False  # the fault itself makes /readyz (or /healthz) fail: checked, not a failure
+    # It restarts a process as an ordinary rollout does: a critical that held for less than production's ``for:``
+    # (the restarted target's TargetDown) pages nobody, judged as in a quiet drill.
+    restarts_a_target = False
     # Answers the baseline traffic may get while the fault is in (runbooks/drills.md: every request that is not
     # the fault's own answers 200); a drill whose fault is the whole service widens it and says why.
     baseline_accepts: frozenset[int] = frozenset({200})

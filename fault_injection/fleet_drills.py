@@ -418,6 +418,7 @@ class ReplicaConfigDrift(FleetDrill):
 class RollingUpdate(FleetDrill):
     name = "rolling-update"
     doc_id = "rolling_update"
+    restarts_a_target = True  # its replica restarts: TargetDown may fire in drills (15 s), not in production (2m)
     description = ("One replica rolled out under the steady load on a release that warms more shapes: drained, "
                    "restarted, warming; the other two carry its share meanwhile. StepwatchPoolCapacityShort "
                    "fires for the pool, triage says cold_start.")

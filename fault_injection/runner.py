@@ -451,7 +451,7 @@ class Runner:
         names = {k: self.th.alert(k).name for k in (*drill.companions, *drill.silent)}
         allowed = {*drill.required, *(names[k] for k in drill.companions)}
         unexpected_critical = sorted((w.seen & self.critical) - allowed - w.leftover)
-        if drill.quiet:  # a restart's TargetDown still firing as the watch starts: judged as when notified
+        if drill.quiet or drill.restarts_a_target:  # a restart's TargetDown: judged as when notified
             since = r.injected_at - r.injection_s
             unexpected_critical = [n for n in unexpected_critical if not self._no_page_in_production(n, since, r)]
         silent_fired = sorted({names[k] for k in drill.silent} & w.seen)

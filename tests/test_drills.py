@@ -245,6 +245,20 @@ def test_a_quiet_drill_passes_on_silence_and_fails_on_any_page(seen: set[str], n
     assert len([n for n in r.notes if n.startswith("StepwatchTargetDown fired")]) <= 1  # asked once
 
 
+@pytest.mark.parametrize("evaluations, passes", [(6, True), (30, False)])
+def test_a_rollouts_brief_target_down_is_no_page(evaluations: float, passes: bool) -> None:
+    """rolling-update restarts its replica: TargetDown held 30 s (drill for: 15 s) pages nobody in production
+    (for: 2m); held 150 s it does.  A fault drill without a restart gets no such allowance."""
+    rollout = DRILLS["rolling-update"](TH)
+    assert rollout.restarts_a_target and not rollout.quiet
+    runner = Runner(_QuietStack(_HeldProm(evaluations)), TH)  # type: ignore[arg-type]
+    for drill, ok in ((rollout, passes), (DRILLS["cache-threshold"](TH), False)):
+        r, w = DrillResult(drill.name, drill.expected), _Watch(seen={"StepwatchTargetDown"})
+        r.injected_at = time.time()
+        runner._judge_alerts(drill, r, w)
+        assert r.checks["no_unexpected_critical"] is ok, (drill.name, r.failures)
+
+
 def test_baseline_traffic_must_get_200s() -> None:
     class Codes:
         def __init__(self, codes: dict[int, int]) -> None:
