@@ -5,7 +5,7 @@ one of them notifies.  When that goes wrong the on-call sees it as noise: a "fir
 same page twice, a resolution never sent.  So the fleet drills count, at the receiver, for every alert that
 started during the drill: exactly one firing and one resolved notification, or the drill fails.
 
-An alert is its labels (``groupBy: ['...']`` in the drill profile: one alert per notification group).  A later
+An alert is its labels (``group_by: ['...']`` in the drill profile: one alert per notification group).  A later
 firing notification of the same labels that *started* after the last resolution is a new episode of the alert
 (it fired again); one that started before is a stale copy of the old one.
 """
