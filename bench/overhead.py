@@ -125,11 +125,20 @@ class _StubTransformer:
         self._branch = name
         return contextlib.nullcontext()
 
-    def __call__(self, x: Any) -> Any:
+    def __call__(self, hidden_states: Any) -> Any:
         if self._block is not None:
             i = self.step_index
             self._block.states[self._branch].should_compute = i in (0, self.steps - 1) or i % 2 == 0
-        return x
+        return hidden_states
+
+
+class _Latents:
+    """What a transformer call receives, as far as the hooks look: its shape (batch, tokens, channels)."""
+
+    __slots__ = ("shape",)
+
+    def __init__(self, batch: int) -> None:
+        self.shape = (batch, 256, 64)
 
 
 class _StubVae:
@@ -156,16 +165,21 @@ class StubPipeline:
     def encode_prompt(self, prompt: str) -> str:
         return prompt
 
+    def latents(self) -> Any:
+        """One prompt's latents: each call holds one branch."""
+        return _Latents(1)
+
     def __call__(self, prompt: str, height: int = 256, width: int = 256, num_inference_steps: int = 4) -> Any:
-        x = self.encode_prompt(prompt)
+        self.encode_prompt(prompt)
         self.scheduler.set_timesteps(num_inference_steps)
         t = self.transformer
         t.steps = num_inference_steps
+        x = self.latents()
         for i in self.scheduler.timesteps:
             t.step_index = i
             for b in self._branches:
                 with t.cache_context(b):
-                    x = t(x)
+                    x = t(hidden_states=x)
             x = self.scheduler.step(x)
         return self.vae.decode(x)
 

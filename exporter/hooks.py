@@ -102,6 +102,50 @@ def cache_context(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[...
     return cache_context
 
 
+def _denoiser_call(inst: Instrumentation, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    req = getattr(inst._local, "req", None)
+    if req is not None:
+        try:
+            inst._denoiser_call(req, args, kwargs)
+        except Exception as e:
+            inst._guard.fail(patches.DENOISER_CALL, e)
+
+
+def denoiser_class(cls: type) -> type:
+    """A subclass of the transformer's class whose __call__ records what each call receives (its batch;
+    the first call's shapes) before the module's own call, outside anything torch.compile traces.  The
+    handle is the instance's ``_stepwatch`` attribute (one subclass per class)."""
+    sub = _DENOISER_CACHE.get(cls)
+    if sub is not None:
+        return sub
+    original_call = cls.__call__
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inst: Instrumentation | None = self.__dict__.get(ATTR)
+        if inst is not None:
+            _denoiser_call(inst, args, kwargs)
+        return original_call(self, *args, **kwargs)
+
+    __call__.__wrapped__ = original_call  # type: ignore[attr-defined]
+    sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, ATTR: None,
+                                      "__qualname__": cls.__qualname__, "_stepwatch_original_class": cls})
+    _DENOISER_CACHE[cls] = sub
+    return sub
+
+
+def compiled_denoiser_call(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """For a transformer already compiled in place (``module.compile()``): the same record around its
+    compiled call, on the instance, since swapping its class would fail dynamo's type guard (a recompile)."""
+
+    def compiled_call(*args: Any, **kwargs: Any) -> Any:
+        _denoiser_call(inst, args, kwargs)
+        return fn(*args, **kwargs)
+
+    compiled_call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return compiled_call
+
+
+_DENOISER_CACHE: dict[type, type] = {}
 _CLASS_CACHE: dict[type, type] = {}
 
 

@@ -11,9 +11,12 @@ Where we hook, and why there (all outside anything torch.compile traces):
   transformer.cache_context    one call per CFG branch; cache decision after it
   vae.decode                   vae_decode stage
 
-CFG run as one transformer call on a doubled batch (SD3, SDXL, Sana, ...: one or no cache_context per
-step) is not seen by any hook: at request end the pipeline's own ``do_classifier_free_guidance`` is read
-once and, when no step logged two branches, decides 1 or 2 (``request.branch_count``).
+  transformer.__call__         each call's batch, the first call's shapes (the class
+                               swapped like the pipeline's, outside what torch.compile traces)
+
+CFG branches are counted from what the transformer receives: the samples of a step's calls over the prompt
+batch (``request.branch_count``), so separate calls (FLUX's true CFG, Wan) and one call on a doubled batch
+(SD3, PixArt, CogVideoX) read alike, whatever properties the pipeline has.
 
 The flow has three parts, one module each: the hooks record marks while the
 request runs (``hooks``, installed through the named ``patches`` registry, so
@@ -123,7 +126,7 @@ class Instrumentation(RequestLifecycle, StreamSessions):
         self._resolve_ctx = ResolveContext(
             seconds=self.clock.seconds, offsets=getattr(self.clock, "offsets", None), labeler=self.labeler,
             device=self.memory.device, peak_flops=self.peak_flops,
-            step_flops=StepFlops(self._ledger, pipe) if self._ledger is not None else None)
+            step_flops=StepFlops(self._ledger) if self._ledger is not None else None)
 
     # ----- set-up ---------------------------------------------------------------------------
     def _setup_static(self) -> None:
@@ -205,13 +208,31 @@ class Instrumentation(RequestLifecycle, StreamSessions):
             reg.wrap(patches.STEP, sched, "step", lambda fn: hooks.step(self, fn))
         for comp in patches.DENOISERS:
             mod = getattr(pipe, comp, None)
-            if mod is not None and hasattr(mod, "cache_context"):
+            if mod is None:
+                continue
+            self._patch_denoiser_call(comp, mod)
+            if hasattr(mod, "cache_context"):
                 reg.wrap(patches.cache_context(comp), mod, "cache_context", lambda fn: hooks.cache_context(self, fn))
         if self._chunks is not None:
             reg.wrap(patches.ENCODE_KV_CACHE, pipe, "encode_kv_cache", lambda fn: hooks.encode_kv_cache(self, fn))
         vae = getattr(pipe, "vae", None)
         if vae is not None and hasattr(vae, "decode"):
             reg.wrap(patches.VAE_DECODE, vae, "decode", lambda fn: hooks.stage(self, fn, "vae"))
+
+    def _patch_denoiser_call(self, comp: str, mod: Any) -> None:
+        """Record each transformer call's batch: the class swapped (``hooks.denoiser_class``), or, for a
+        module compiled in place already, its compiled call wrapped on the instance."""
+        if not callable(mod):
+            return
+        reg = self.patches
+        name = patches.denoiser_call(comp)
+        if mod.__dict__.get("_compiled_call_impl") is not None:
+            reg.wrap(name, mod, "_compiled_call_impl", lambda fn: hooks.compiled_denoiser_call(self, fn))
+            return
+        reg.register(name, mod, "__class__", hooks.denoiser_class(type(mod)))
+        # After the swap: the subclass declares the attribute, so a wrapper that forwards unknown attributes
+        # to the module it wraps (torch.compile's OptimizedModule) keeps this one for itself.
+        reg.register(patches.denoiser_owner(comp), mod, ATTR, self)
 
     # ----- phases ---------------------------------------------------------------------------
     def warmup(self) -> _Phase:

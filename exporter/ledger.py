@@ -2,24 +2,31 @@
 
 A diffusion request is compute-bound, so GPU-Util reads ~100% whether the
 kernels are good or bad; only FLOPs / (seconds x peak) says how well the
-device is used.  Per DiT forward:  2 * P_tok * N  +  4 * L * N^2 * d
-(P_tok: parameters a token passes through; L blocks; d hidden size), plus
-4 * L * N * N_txt * d for models with text cross-attention; times g CFG
-branches per step (``request.branch_count``: separate calls, or the two
-halves of a doubled batch).  FLUX.1 at 1024^2: P_tok 6.45e9, N 4608 -> 74.3 TFLOP.
+device is used.  One forward of one sample costs
 
-Joint-attention models (FLUX, SD3's MMDiT) put the text tokens in N and count
-the image stream's per-token weights for them too (the text stream's weights
-are taken to be the same size).  SD3: N = image tokens + CLIP's 77 + T5's max_sequence_length
-(``request.StepFlops``); SD3.5's dual-attention blocks (``attn2``, a second
-self-attention over the image tokens only) add their weights to P_tok and
-4 * L2 * N_img^2 * d.
+    2 * (W_img * N_img + W_txt * N_txt + W_joint * (N_img + N_txt) + W_once)
+  + 4 * (A_self * N_img^2 + A_cross * N_img * N_txt + A_joint * (N_img + N_txt)^2) + 4 * A_lin * N_img
+
+W_x: the weights (multiply-accumulates) a token of class x passes through, every Linear and convolution of
+the transformer counted once in the class of the tokens it sees (``token_class``): the image stream
+(patch embedding, image-stream blocks, the output projection), the text stream (caption projection,
+cross-attention keys and values, the text stream of joint blocks), blocks that run on the joined sequence
+(FLUX's single blocks, CogVideoX), and once per sample (timestep embedding, adaLN modulation).
+A_x: the summed inner width (heads x head dim) of the attentions of each kind (``attention_kind``):
+softmax attention costs 4 N_q N_kv d (QK^T and AV), linear attention (Sana) 4 N d (d_head + 1).
+
+N_img and N_txt are what the transformer really receives (``tokens_of_call``: the first call's
+hidden_states and encoder_hidden_states), so VAE compression, patching, resolution binning and padded
+text need no model of their own.  A step costs the forward times the samples of its calls (CFG branches
+x the prompt batch).  FLUX.1-dev at 1024^2 (4096 + 512 tokens): 74.3 TFLOP per step, as the seeds give.
+The ledger is checked against torch's FlopCounterMode per family (``stepwatch bench ledger``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 # Dense bf16 tensor-core peaks, FLOP/s, matched against the device name (first match wins).
@@ -43,14 +50,23 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("MI300X", 1307e12),
 )
 
-_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers", "temporal_transformer_blocks")
-# Linear layers a token does not pass through per token: adaLN modulation (computed once per
-# sample from the timestep), the text stream of joint blocks, and cross-attention K/V (text tokens).
-_NOT_PER_TOKEN = re.compile(
-    r"(^|\.)(norm[^.]*|.*modulation.*|add_[qkv]_proj|to_add_out|ff_context|attn2\.to_[kv]|attn2\.add_[kv]_proj)(\.|$)"
-)
-# SD3's attn2 is self-attention over the image tokens (dual attention), not cross-attention: all per token.
-_NOT_PER_TOKEN_SD3 = re.compile(r"(^|\.)(norm[^.]*|add_[qkv]_proj|to_add_out|ff_context)(\.|$)")
+TOKEN_CLASSES = ("img", "txt", "joint", "once")
+ATTENTION_KINDS = ("self", "cross", "joint", "linear")
+
+# Once per sample: the timestep (and pooled-text, guidance) embeddings and every adaLN modulation.
+_ONCE = re.compile(r"(^|\.)(norm\w*|\w*time\w*|guidance\w*|adaln\w*|\w*modulation\w*|\w+_mod|pooled\w*|ofs_\w*)\.")
+# Per text token: caption projections, the text stream of joint blocks.
+_TEXT = re.compile(r"(^|\.)(context_embedder|caption_projection|text_embedder|text_proj|txt_in|ff_context|txt_mlp"
+                   r"|add_[qkv]_proj|to_add_out)(\.|$)")
+# Block lists that run on the joined image + text sequence with one set of weights.
+_JOINED_LISTS: Mapping[str, tuple[str, ...]] = {
+    "Flux": ("single_transformer_blocks",),
+    "AuraFlow": ("single_transformer_blocks",),
+    "HunyuanVideo": ("single_transformer_blocks",),
+    "CogVideoX": ("transformer_blocks",),
+}
+# hidden_states laid out (batch, frames, channels, height, width) instead of (batch, channels, frames, ...).
+_FRAMES_FIRST = ("CogVideoX",)
 
 
 def peak_flops_for(device_name: str) -> float | None:
@@ -62,93 +78,132 @@ def peak_flops_for(device_name: str) -> float | None:
 
 @dataclass(frozen=True)
 class LedgerModel:
-    """What the formula needs from one transformer."""
+    """What the formula needs from one transformer: weights per token class, attention width per kind, and
+    how its hidden_states hold the image tokens.  Plain numbers (``as_dict``): the service's queue predictor
+    rebuilds it without torch."""
 
     family: str
-    p_tok: float  # parameters a token passes through
-    layers: int
-    hidden: int
-    patch: tuple[int, int, int]  # (frames, height, width) patch sizes in latent units
-    cross_attention: bool  # text tokens attended through cross-attention, not in the sequence
-    image_attention_layers: int = 0  # blocks with a second self-attention over the image tokens (SD3.5)
+    weights: Mapping[str, float]  # multiply-accumulates per token, by TOKEN_CLASSES
+    attention: Mapping[str, float] = field(default_factory=dict)  # summed inner width, by ATTENTION_KINDS
+    patch: tuple[int, int, int] = (1, 1, 1)  # (frames, height, width) patch sizes in latent units
+    frames_first: bool = False
 
-    def tokens(self, height: int, width: int, frames: int | None, vae_spatial: int, vae_temporal: int,
-               text_tokens: int) -> tuple[int, int]:
-        """(N in the self-attention sequence, N_txt attended by cross-attention)."""
+    def forward_flops(self, n_img: int, n_txt: int) -> float:
+        """One forward of one sample over ``n_img`` image and ``n_txt`` text tokens."""
+        w = self.weights
+        macs = (w.get("img", 0.0) * n_img + w.get("txt", 0.0) * n_txt + w.get("joint", 0.0) * (n_img + n_txt)
+                + w.get("once", 0.0))
+        return 2.0 * macs + self.attention_flops(n_img, n_txt)
+
+    def attention_flops(self, n_img: int, n_txt: int) -> float:
+        """The attention term alone: what grows as N^2 (seed 000's 72% of a Wan step at 720p)."""
+        a, n_joint = self.attention, n_img + n_txt
+        return 4.0 * (a.get("self", 0.0) * n_img * n_img + a.get("cross", 0.0) * n_img * n_txt
+                      + a.get("joint", 0.0) * n_joint * n_joint + a.get("linear", 0.0) * n_img)
+
+    def image_tokens(self, hidden_shape: tuple[int, ...]) -> int:
+        """The image tokens of one sample in a call's hidden_states: packed (batch, tokens, channels), an
+        image latent (batch, channels, h, w) or a video latent, patched by the model's own patch sizes."""
         pf, ph, pw = self.patch
-        img = (height // (vae_spatial * ph)) * (width // (vae_spatial * pw))
+        if len(hidden_shape) == 3:
+            return int(hidden_shape[1])
+        if len(hidden_shape) == 4:
+            return (hidden_shape[2] // ph) * (hidden_shape[3] // pw)
+        frames = hidden_shape[1] if self.frames_first else hidden_shape[2]
+        return (frames // pf) * (hidden_shape[3] // ph) * (hidden_shape[4] // pw)
+
+    def tokens(self, height: int, width: int, frames: int | None, vae_spatial: int, vae_temporal: int) -> int:
+        """Image tokens predicted from a request's geometry (the queue's predictor, the real-config check):
+        the latent is the image over the VAE's compression, then patched."""
+        pf, ph, pw = self.patch
+        n = (height // (vae_spatial * ph)) * (width // (vae_spatial * pw))
         if frames:
-            img *= ((frames - 1) // vae_temporal + 1) // pf
-        if self.cross_attention:
-            return img, text_tokens
-        return img + text_tokens, 0
+            n *= ((frames - 1) // vae_temporal + 1) // pf
+        return n
 
-    def forward_flops(self, n: int, n_txt: int, n_img: int = 0) -> float:
-        """One forward; ``n_img`` (image tokens alone) only matters with ``image_attention_layers``."""
-        flops = 2.0 * self.p_tok * n + 4.0 * self.layers * n * n * self.hidden
-        if n_txt:
-            flops += 4.0 * self.layers * n * n_txt * self.hidden
-        if self.image_attention_layers:
-            flops += 4.0 * self.image_attention_layers * n_img * n_img * self.hidden
-        return flops
+    def as_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "weights": dict(self.weights), "attention": dict(self.attention),
+                "patch": list(self.patch), "frames_first": self.frames_first}
 
-
-    def request_flops(self, height: int, width: int, frames: int | None, vae_spatial: int, vae_temporal: int,
-                      text_tokens: int, steps: int, branches: int = 1) -> float:
-        """Nominal denoising FLOPs of one request: steps x CFG branches x one forward.
-
-        What distillation changes is in the two factors: a guidance-distilled model (FLUX.1-dev embeds the
-        guidance scale) runs one branch per step (g = 1), a few-step model (FLUX.1-schnell) 4 steps instead of
-        28.  At 1024^2: FLUX.1-dev 28 x 1 x 74.3 T = 2.08 PFLOP, schnell 4 x 74.3 T = 0.30 PFLOP.
-        """
-        n, n_txt = self.tokens(height, width, frames, vae_spatial, vae_temporal, text_tokens)
-        n_img = self.tokens(height, width, frames, vae_spatial, vae_temporal, 0)[0]
-        return steps * branches * self.forward_flops(n, n_txt, n_img)
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LedgerModel:
+        pf, ph, pw = (int(p) for p in d["patch"])
+        return cls(str(d["family"]), {k: float(v) for k, v in d["weights"].items()},
+                   {k: float(v) for k, v in d.get("attention", {}).items()}, (pf, ph, pw),
+                   bool(d.get("frames_first", False)))
 
 
-def _cfg(transformer: Any) -> dict[str, Any]:
-    cfg = getattr(transformer, "config", None)
-    return dict(cfg) if cfg is not None else {}
+def token_class(path: str, joined_lists: tuple[str, ...], text_kv: bool) -> str:
+    """Which tokens pass through the Linear or convolution at ``path``.  ``text_kv``: it is the key or
+    value projection of a cross-attention (it reads the text)."""
+    if _ONCE.search(path + "."):
+        return "once"
+    if text_kv or _TEXT.search(path):
+        return "txt"
+    if path.split(".", 1)[0] in joined_lists:
+        return "joint"
+    return "img"
+
+
+def attention_kind(path: str, attn: Any, joined_lists: tuple[str, ...]) -> str:
+    """Self, cross (image queries, text keys), joint (one sequence of both) or linear (Sana's ReLU kernel)."""
+    if "Linear" in type(getattr(attn, "processor", None)).__name__:
+        return "linear"
+    cross = getattr(attn, "is_cross_attention", None)
+    if cross is None:
+        cross = path.rsplit(".", 1)[-1] == "attn2"
+    if cross:
+        return "cross"
+    if getattr(attn, "add_q_proj", None) is not None or path.split(".", 1)[0] in joined_lists:
+        return "joint"
+    return "self"
+
+
+def _patch(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
+    patch = cfg.get("patch_size", 1) or 1
+    if isinstance(patch, (list, tuple)):
+        pt = tuple(int(p) for p in patch)
+        return (pt[0], pt[1], pt[2]) if len(pt) == 3 else (1, pt[0], pt[-1])
+    return (int(cfg.get("patch_size_t") or 1), int(patch), int(patch))
+
+
+def _family(name: str, table: Mapping[str, Any], default: Any) -> Any:
+    return next((v for prefix, v in table.items() if name.startswith(prefix)), default)
 
 
 def ledger_model(transformer: Any) -> LedgerModel:
-    """Read the ledger's inputs from a diffusers transformer (config plus its per-token Linears)."""
+    """Read the ledger's inputs from a diffusers transformer: every Linear and convolution by the tokens it
+    sees, every attention by its kind.  Works on the meta device (real configs without weights)."""
     import torch  # lazy: importing stepwatch.exporter (the sidecar does) must not import torch
 
-    cfg = _cfg(transformer)
     name = type(transformer).__name__
-    sd3 = name.startswith("SD3")
-    not_per_token = _NOT_PER_TOKEN_SD3 if sd3 else _NOT_PER_TOKEN
-    heads = int(cfg.get("num_attention_heads") or 0)
-    head_dim = int(cfg.get("attention_head_dim") or 0)
-    hidden = heads * head_dim or int(cfg.get("hidden_size") or cfg.get("inner_dim") or 0)
-    p_tok = 0
-    layers = 0
-    image_attention = 0
-    for list_name, child in transformer.named_children():
-        if list_name not in _BLOCK_LISTS or not isinstance(child, torch.nn.ModuleList):
+    cfg = dict(getattr(transformer, "config", None) or {})
+    joined = _family(name, _JOINED_LISTS, ())
+    weights = dict.fromkeys(TOKEN_CLASSES, 0.0)
+    attention = dict.fromkeys(ATTENTION_KINDS, 0.0)
+    text_kv: set[str] = set()
+    for path, mod in transformer.named_modules():
+        to_q = getattr(mod, "to_q", None)
+        if not isinstance(to_q, torch.nn.Linear):
             continue
-        layers += len(child)
-        for block in child:
-            if sd3 and getattr(block, "attn2", None) is not None:
-                image_attention += 1
-            for mod_name, mod in block.named_modules():
-                if isinstance(mod, torch.nn.Linear) and not not_per_token.search(mod_name):
-                    p_tok += mod.weight.numel() + (mod.bias.numel() if mod.bias is not None else 0)
-    patch = cfg.get("patch_size", 1)
-    if isinstance(patch, (list, tuple)):
-        pt = tuple(int(p) for p in patch)
-        patch3 = (pt[0], pt[1], pt[2]) if len(pt) == 3 else (1, pt[0], pt[-1])
-    else:
-        patch3 = (1, int(patch), int(patch))
-    if name.startswith("Flux"):
-        # Flux packs 2x2 latent patches in the pipeline (patch_size=1 in the config).
-        return LedgerModel("flux", float(p_tok), layers, hidden, (1, 2, 2), False)
-    if sd3:  # MMDiT: joint attention over image + text tokens, no cross-attention
-        return LedgerModel("sd3", float(p_tok), layers, hidden, patch3, False, image_attention)
-    cross = any(n.split(".")[-1] == "attn2" for n, _ in transformer.named_modules())
-    family = "wan" if name.startswith("Wan") else name
-    return LedgerModel(family, float(p_tok), layers, hidden, patch3, cross)
+        kind = attention_kind(path, mod, joined)
+        inner = to_q.out_features
+        if kind == "linear":
+            heads = int(getattr(mod, "heads", 1) or 1)
+            attention[kind] += inner * (inner // heads + 1)
+        else:
+            attention[kind] += inner
+        if kind == "cross":
+            text_kv.update((f"{path}.to_k", f"{path}.to_v"))
+    convs = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    for path, mod in transformer.named_modules():
+        if isinstance(mod, convs):
+            weights[token_class(path, joined, path in text_kv)] += mod.weight.numel()
+    family = "wan" if name.startswith("Wan") else "flux" if name.startswith("Flux") else \
+        "sd3" if name.startswith("SD3") else name
+    patch = (1, 2, 2) if name.startswith("Flux") else _patch(cfg)
+    return LedgerModel(family, {k: v for k, v in weights.items() if v},
+                       {k: v for k, v in attention.items() if v}, patch, name.startswith(_FRAMES_FIRST))
 
 
 def mfu(step_flops: float, step_seconds: float, peak: float | None) -> float | None:

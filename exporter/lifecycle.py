@@ -25,7 +25,6 @@ from stepwatch.exporter.request import (
     CallSignature,
     RequestMarks,
     ResolveContext,
-    batch_cfg,
     denoiser,
     marks_for,
     resolve,
@@ -86,6 +85,21 @@ class RequestLifecycle(InstrumentationState):
             self._close_stage_memory(req)
             req.vae_spans.append((req.vae_open, m))
             req.stage = "postprocess"
+
+    def _denoiser_call(self, req: RequestMarks, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A transformer call: its batch goes to the log (CFG branches are counted from it); the first
+        call's hidden_states shape and text tokens are what the ledger counts."""
+        hidden = kwargs.get("hidden_states") if kwargs else None
+        if hidden is None:
+            hidden = kwargs.get("sample") if kwargs else None  # a UNet's name for it
+            if hidden is None:
+                hidden = args[0]
+        shape = hidden.shape
+        req.add(int(shape[0]))
+        if req.call_shape is None:
+            text = getattr(kwargs.get("encoder_hidden_states"), "shape", None)
+            tokens = int(text[1]) if text is not None and len(text) >= 2 else None
+            req.call_shape = (tuple(int(d) for d in shape), tokens)
 
     def _denoise_start(self, req: RequestMarks) -> None:
         self._close_stage_memory(req)
@@ -170,8 +184,6 @@ class RequestLifecycle(InstrumentationState):
         WATCH.set_sink(getattr(self._local, "prev_sink", None))
         req.end = self.clock.mark()
         req.tail_snapshot()
-        if req.denoise_start is not None:  # this call set the guidance the property reads
-            req.batch_cfg = batch_cfg(self.pipe)
         self._close_stage_memory(req)
         if self._stream is not None and req.stream is not None:
             self._stream.done(id(req.stream))

@@ -20,6 +20,7 @@ STEP = "scheduler.step"
 VAE_DECODE = "vae.decode"
 ENCODE_KV_CACHE = "encode_kv_cache"  # chunked autoregressive video only (exporter/chunks.py)
 DENOISERS = ("transformer", "transformer_2", "unet")
+DENOISER_CALL = "transformer.__call__"  # the guard's name for the per-call record (hooks.denoiser_class)
 # The pipeline attributes whose objects carry patches; a patch on one of them follows that object.
 COMPONENTS = ("scheduler", *DENOISERS, "vae")
 
@@ -29,10 +30,23 @@ def cache_context(component: str) -> str:
     return f"{component}.cache_context"
 
 
+def denoiser_call(component: str) -> str:
+    """The hook name of a denoiser's call record: its class swapped, or its compiled call wrapped."""
+    return f"{component}.__call__"
+
+
+def denoiser_owner(component: str) -> str:
+    """The name of the attribute on a denoiser that points its swapped class at the handle."""
+    return f"{component}._stepwatch"
+
+
 def component_of(name: str) -> str | None:
     """The pipeline attribute a hook name patches, or None for patches on the pipeline itself."""
     comp = name.split(".", 1)[0]
     return comp if comp in COMPONENTS else None
+
+
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,7 @@ class Patch:
     attr: str
     original: Any
     restore_by_set: bool  # the object owned the value (or it is a data descriptor like __class__)
+    added: bool = False  # the attribute did not exist: removal deletes it
 
 
 def _restore_by_set(obj: Any, attr: str) -> bool:
@@ -79,12 +94,15 @@ class PatchRegistry:
 
     def register(self, name: str, obj: Any, attr: str, replacement: Any) -> bool:
         """Set ``obj.attr = replacement`` under ``name``; False (and nothing done) when already registered
-        on this object.  Registered on another object (a swapped component), the old patch is removed first."""
+        on this object.  Registered on another object (a swapped component), the old patch is removed first.
+        An attribute the object did not have is deleted again on removal."""
         if self.holds(name, obj):
             return False
         if name in self._patches:
             self.remove(name)
-        self._patches[name] = Patch(obj, attr, getattr(obj, attr), _restore_by_set(obj, attr))
+        original = getattr(obj, attr, _MISSING)
+        added = original is _MISSING
+        self._patches[name] = Patch(obj, attr, original, not added and _restore_by_set(obj, attr), added)
         try:
             setattr(obj, attr, replacement)
         except BaseException:

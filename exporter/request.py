@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,12 +30,14 @@ Bounds = tuple[float, float]  # seconds from the request start
 class RequestMarks:
     """What the hooks record for one request in flight (marks are the clock's: floats or CUDA events).
 
-    The per-step hooks write one flat log through the bound ``add``: a branch name (str) per transformer
-    call, and per scheduler.step its clock mark or, with a cache active, (mark, the cache's raw state) in one
-    tuple.  ``replay`` turns it into step marks, branch counts and decisions at request end, so a step costs
-    one append (and a state copy) besides one per branch.  ``step_marks``/``decisions``/``max_branches``
-    hold marks recorded directly (tests, other recorders) and are merged with the log.  ``batch_cfg`` is read
-    once when the request ends (``batch_cfg()``), for CFG run as one call on a doubled batch.
+    The per-step hooks write one flat log through the bound ``add``: the batch (int) of every transformer
+    call, a branch name (str) per cache_context, and per scheduler.step its clock mark or, with a cache
+    active, (mark, the cache's raw state) in one tuple.  ``replay`` turns it into step marks, the samples
+    each step computed, branch names and decisions at request end, so a step costs one append (and a state
+    copy) besides one or two per call.  ``step_marks``/``decisions``/``max_branches`` hold marks recorded
+    directly (tests, other recorders) and are merged with the log.  ``call_shape`` is the first call's
+    (hidden_states shape, text tokens), what the ledger counts; ``prompt_batch`` the samples one branch
+    holds (prompts x images per prompt), what a call's batch is divided by to count CFG branches.
     """
 
     start: Any
@@ -66,7 +69,8 @@ class RequestMarks:
     outcome: str = "ok"
     error: str | None = None
     oom_demand: int | None = None
-    batch_cfg: bool | None = None  # the pipeline's do_classifier_free_guidance, read once at request end
+    prompt_batch: int | None = None
+    call_shape: tuple[tuple[int, ...], int | None] | None = None
     rank_request: int = -1  # this request's index on the rank reporter's timeline (see exporter/ranks.py)
     stream: Any = None  # chunks.StreamMarks for a chunked autoregressive video call
     add: Callable[[Any], None] = field(init=False, repr=False)
@@ -86,28 +90,36 @@ class RequestMarks:
 
 @dataclass
 class Replayed:
-    """The log replayed: all step marks, the most CFG branches in one step, every cache decision."""
+    """The log replayed: all step marks, the most cache_context branches in one step, every cache decision,
+    and the samples the transformer computed in each step that called it (the batches of its calls)."""
 
     step_marks: list[Any]
     max_branches: int
     decisions: list[tuple[int, str, bool]]
+    step_samples: list[int] = field(default_factory=list)
 
 
 def replay(req: RequestMarks) -> Replayed:
-    """Walk the hot path's log once: names count branches per step; a mark, or a (mark, cache state) pair,
-    closes a step and the state decides the branches logged since the step before; a state alone (the tail
-    snapshot) decides the branches after the last step.  This loop runs over every event of the request,
-    so it is written for speed: class checks, bound appends, a step counter instead of len()."""
+    """Walk the hot path's log once: an int is a transformer call's batch, names count branches per step; a
+    mark, or a (mark, cache state) pair, closes a step and the state decides the branches logged since the
+    step before; a state alone (the tail snapshot) decides the branches after the last step.  This loop runs
+    over every event of the request, so it is written for speed: class checks, bound appends, a step
+    counter instead of len()."""
     marks = list(req.step_marks)
     branches = req.max_branches
     decisions = list(req.decisions)
+    samples: list[int] = []
     decide = getattr(req.cache[1], "decide", None) if req.cache is not None else None
     negate = decide is caches.Reader.decide  # FirstBlockCache / MagCache: a hit is a branch that did not compute
     decided, mark = decisions.append, marks.append
     step = len(marks)
     group: list[str] = []
+    batch = 0
     for x in req.log:
         cls = x.__class__
+        if cls is int:
+            batch += x
+            continue
         if cls is str:
             group.append(x)
             continue
@@ -136,7 +148,10 @@ def replay(req: RequestMarks) -> Replayed:
             if len(group) > branches:
                 branches = len(group)
             group = []
-    return Replayed(marks, branches, decisions)
+            if batch:
+                samples.append(batch)
+                batch = 0
+    return Replayed(marks, branches, decisions, samples)
 
 
 @dataclass
@@ -161,7 +176,7 @@ class ResolveContext:
     labeler: ShapeLabeler
     device: str
     peak_flops: float | None = None
-    step_flops: Callable[[RequestMarks, int], float | None] | None = None
+    step_flops: Callable[[RequestMarks, int], float | None] | None = None  # (marks, samples per step)
     offsets: Callable[[Any, list[Any]], list[float]] | None = None  # the clock's, else seconds() per mark
 
 
@@ -211,51 +226,43 @@ def _peaks(req: RequestMarks) -> tuple[dict[str, int], str | None]:
     return peaks, failed_stage
 
 
-def branch_count(logged: int, batch_cfg: bool | None, hint: bool) -> int:
+def usual_samples(step_samples: list[int]) -> int | None:
+    """The samples a step usually computes: the most common count (the larger on a tie).  A chunked video
+    pipeline's KV-cache pass adds a call to one step per chunk; the usual step is the others."""
+    if not step_samples:
+        return None
+    counts = Counter(step_samples)
+    return max(counts, key=lambda n: (counts[n], n))
+
+
+def branch_count(samples: int | None, prompt_batch: int | None, logged: int, hint: bool) -> int:
     """CFG branches per step: the shape's ``_cfg``, the ``cfg_branches`` gauge and the ledger's multiplier.
 
-    ``logged`` is the most cache_context branches seen in one step.  Two or more: CFG ran as separate
-    transformer calls (FLUX's true CFG, Wan), counted as seen; the batch is not consulted, so nothing counts
-    twice.  At most one: CFG, if on, ran as one call on a doubled batch (SD3, SDXL, Sana, LTX's and Mochi's
-    ``cond_uncond``...), which the pipeline's own ``do_classifier_free_guidance`` says (``batch_cfg``: 2 when
-    true, 1 when false).  A pipeline without that property keeps what was logged, and with nothing logged
-    (no cache_context at all, or a request that failed before its first step) the call's parameters decide
-    (``cfg_hint``).  A tripled batch (PAG with CFG, InstructPix2Pix) or SD3's skip-layer call still reads 2.
-    """
-    if logged > 1:
-        return logged
-    if batch_cfg is not None:
-        return 2 if batch_cfg else 1
+    From what the transformer received: the samples a step's calls held (``usual_samples``) over the samples
+    one branch holds (the prompt batch), so separate calls (FLUX's true CFG, Wan) and one call on a doubled
+    batch (SD3, PixArt, CogVideoX, LTX) count alike, and a tripled batch (PAG with CFG) reads 3.  Without
+    calls seen (a request that failed before its first step) or a known prompt batch: the most
+    cache_context branches in one step, else the call's parameters (``cfg_hint``)."""
+    if samples and prompt_batch:
+        return max(1, round(samples / prompt_batch))
     if logged:
         return logged
     return 2 if hint else 1
-
-
-def batch_cfg(pipe: Any) -> bool | None:
-    """The pipeline's ``do_classifier_free_guidance`` for the call it just made, where its class defines that
-    property (diffusers: SD/SDXL, SD3, Sana, Wan, LTX, Mochi, Lumina, Chroma...: ``_guidance_scale > 1`` and
-    whatever else its loop tests, so it is exactly what decided the batch); None where it does not (FLUX,
-    whose true CFG is two logged calls; PixArt and CogVideoX, which use a local variable) or it fails."""
-    if not isinstance(getattr(type(pipe), "do_classifier_free_guidance", None), property):
-        return None
-    try:
-        return bool(pipe.do_classifier_free_guidance)
-    except Exception:
-        return None
 
 
 def resolve(req: RequestMarks, phase: str, ctx: ResolveContext) -> Resolved:
     """The report of one finished request whose marks are all ready."""
     log = replay(req)
     stages, stage_bounds, step_edges, step_seconds = _timings(req, ctx, log.step_marks)
-    branches = branch_count(log.max_branches, req.batch_cfg, req.cfg_hint)
+    samples = usual_samples(log.step_samples)
+    branches = branch_count(samples, req.prompt_batch, log.max_branches, req.cfg_hint)
     cfg = branches > 1
     steps = req.planned_steps or req.steps_hint or len(step_seconds)
     shape = (ShapeKey(req.height, req.width, int(steps), cfg, req.frames)
              if req.height and req.width and steps else None)
     step_flops = None
     if shape is not None and ctx.step_flops is not None:
-        step_flops = ctx.step_flops(req, branches)
+        step_flops = ctx.step_flops(req, samples or branches * (req.prompt_batch or 1))
     mean_step = sum(step_seconds) / len(step_seconds) if step_seconds else 0.0
     peaks, failed_stage = _peaks(req)
     report = RequestReport(
@@ -282,43 +289,27 @@ def resolve(req: RequestMarks, phase: str, ctx: ResolveContext) -> Resolved:
 
 
 class StepFlops:
-    """The ledger's FLOPs per step for a request's geometry, memoized (requests repeat a few shapes).
-
-    ``branches`` multiplies one forward (branch_count: separate calls or the halves of a doubled batch cost
-    the same).  SD3's sequence holds CLIP's padded tokens (``tokenizer_max_length``, 77) before T5's
-    (``max_sequence_length``; without a T5 encoder, zeros of CLIP's length)."""
+    """The ledger's FLOPs per step: one forward at the first call's token counts, times the samples a step
+    computed (CFG branches x prompt batch; separate calls or the halves of a doubled batch cost the same).
+    Memoized (requests repeat a few shapes)."""
 
     _MEMO_MAX = 256
 
-    def __init__(self, model: ledger.LedgerModel, pipe: Any) -> None:
+    def __init__(self, model: ledger.LedgerModel) -> None:
         self.model = model
-        self.pipe = pipe
-        self.spatial = int(getattr(pipe, "vae_scale_factor_spatial", 0) or getattr(pipe, "vae_scale_factor", 8) or 8)
-        self.temporal = int(getattr(pipe, "vae_scale_factor_temporal", 4) or 4)
         self._memo: dict[tuple[Any, ...], float] = {}
 
-    def text_tokens(self, req: RequestMarks) -> int:
-        if self.model.family != "sd3":
-            return req.text_tokens
-        clip = int(getattr(self.pipe, "tokenizer_max_length", 0) or 77)
-        t5 = req.text_tokens if getattr(self.pipe, "text_encoder_3", None) is not None else clip
-        return clip + t5
-
-    def __call__(self, req: RequestMarks, branches: int) -> float | None:
-        if not req.height or not req.width:
+    def __call__(self, req: RequestMarks, samples: int) -> float | None:
+        if req.call_shape is None:
             return None
-        text = self.text_tokens(req)
-        key = (req.height, req.width, req.frames, text, branches)
-        cached = self._memo.get(key)
-        if cached is not None:
-            return cached
-        model = self.model
-        n, n_txt = model.tokens(req.height, req.width, req.frames, self.spatial, self.temporal, text)
-        n_img = model.tokens(req.height, req.width, req.frames, self.spatial, self.temporal, 0)[0]
-        flops = branches * model.forward_flops(n, n_txt, n_img)
-        if len(self._memo) < self._MEMO_MAX:
-            self._memo[key] = flops
-        return flops
+        hidden, text = req.call_shape
+        key = (hidden, text)
+        one = self._memo.get(key)
+        if one is None:
+            one = self.model.forward_flops(self.model.image_tokens(hidden), text if text is not None else 0)
+            if len(self._memo) < self._MEMO_MAX:
+                self._memo[key] = one
+        return samples * one
 
 
 class CallSignature:
@@ -357,12 +348,13 @@ def default_size(pipe: Any) -> int | None:
 
 
 def cfg_hint(pipe: Any, params: Mapping[str, Any]) -> bool:
-    """CFG on, from the call's parameters?  Only used when no branch was logged and the pipeline has no
-    ``do_classifier_free_guidance`` (see branch_count).  A FLUX-family transformer embeds ``guidance_scale``
-    (FLUX.2's config has no ``guidance_embeds`` to say so): its CFG is ``true_cfg_scale`` only."""
+    """CFG on, from the call's parameters?  Only used when no transformer call was seen (see branch_count).
+    A FLUX-family transformer embeds ``guidance_scale`` (FLUX.2's config has no ``guidance_embeds`` to say
+    so): its CFG is ``true_cfg_scale`` only."""
     true_cfg = params.get("true_cfg_scale")
     if true_cfg is not None and "guidance_scale" in params and "negative_prompt" in params:
-        return bool(true_cfg > 1 and (params.get("negative_prompt") or params.get("negative_prompt_embeds")))
+        negative = params.get("negative_prompt") or params.get("negative_prompt_embeds") is not None
+        return bool(true_cfg > 1 and negative)  # never a tensor's truth: it raises
     gs = params.get("guidance_scale")
     if gs is None or not gs > 1:
         return False
@@ -377,6 +369,25 @@ def denoiser(pipe: Any) -> Any:
     if t is None:
         t = getattr(pipe, "unet", None)
     return getattr(t, "_orig_mod", t)
+
+
+def prompt_batch(params: Mapping[str, Any]) -> int | None:
+    """The samples one CFG branch holds: prompts (a string, a list, or the rows of ``prompt_embeds``) times
+    images or videos per prompt; None when the call does not say (then branches are not counted by batch)."""
+    prompt = params.get("prompt")
+    if isinstance(prompt, str):
+        n = 1
+    elif isinstance(prompt, (list, tuple)) and prompt:
+        n = len(prompt)
+    else:
+        shape = getattr(params.get("prompt_embeds"), "shape", None)
+        if not shape:
+            return None
+        n = int(shape[0])
+    per = params.get("num_images_per_prompt")
+    if per is None:
+        per = params.get("num_videos_per_prompt", 1)
+    return n * per if isinstance(per, int) and per > 0 else None
 
 
 def marks_for(pipe: Any, params: Mapping[str, Any], *, start: Any, start_unix: float, text_tokens: int | None,
@@ -397,6 +408,7 @@ def marks_for(pipe: Any, params: Mapping[str, Any], *, start: Any, start_unix: f
         frames=int(frames) if isinstance(frames, int) and frames > 1 else None,
         steps_hint=params.get("num_inference_steps"),
         cfg_hint=cfg_hint(pipe, params),
+        prompt_batch=prompt_batch(params),
         text_tokens=int(tokens),
         parent_ctx=parent_ctx,
         cache=cache,

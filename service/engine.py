@@ -28,6 +28,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from stepwatch import httpclient
+from stepwatch.exporter.ledger import LedgerModel
 from stepwatch.exposition import Renderer
 from stepwatch.metrics import ServiceMetrics
 from stepwatch.service import api, knobs
@@ -172,9 +173,8 @@ class Service:
             self.started_knobs = {k: self.knobs.get(k) for k in self._overridable()}
         lp = msg.get("ledger")
         if lp:
-            pf, ph, pw = lp["patch"]
-            self.predictor.ledger = LedgerParams(lp["p_tok"], lp["layers"], lp["hidden"], (pf, ph, pw),
-                                                 lp["cross_attention"], lp["vae_scale"], lp["text_tokens"])
+            self.predictor.ledger = LedgerParams(LedgerModel.from_dict(lp["model"]), lp["vae_scale"],
+                                                 lp["text_tokens"])
         self._prime_predictor(msg)
         self._note_startup_config()
         self.publish_config()

@@ -86,11 +86,7 @@ class WarmupRun(_VideoWarmup):
 class Ledger(TypedDict):
     """What the server's queue predictor needs of the worker's FLOPs ledger (see queue.LedgerParams)."""
 
-    p_tok: float
-    layers: int
-    hidden: int
-    patch: list[int]
-    cross_attention: bool
+    model: dict[str, Any]  # exporter.ledger.LedgerModel.as_dict()
     vae_scale: int
     text_tokens: int
 

@@ -25,30 +25,23 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepwatch.exporter.ledger import LedgerModel
 from stepwatch.service.api import GenerationRequest
 from stepwatch.service.config import PoolConfig
 
 
 @dataclass(frozen=True)
 class LedgerParams:
-    """What the main process needs of the worker's ledger (no torch here)."""
+    """What the main process needs of the worker's ledger (``exporter.ledger`` imports no torch): the
+    model, the VAE's compression and the text tokens, to predict a step's FLOPs from a request's size."""
 
-    p_tok: float
-    layers: int
-    hidden: int
-    patch: tuple[int, int, int]
-    cross_attention: bool
+    model: LedgerModel
     vae_scale: int
     text_tokens: int
 
     def step_flops(self, width: int, height: int, cfg: bool) -> float:
-        _pf, ph, pw = self.patch
-        n = (height // (self.vae_scale * ph)) * (width // (self.vae_scale * pw))
-        n_txt = self.text_tokens
-        if not self.cross_attention:
-            n, n_txt = n + n_txt, 0
-        f = 2.0 * self.p_tok * n + 4.0 * self.layers * n * n * self.hidden + 4.0 * self.layers * n * n_txt * self.hidden
-        return f * (2 if cfg else 1)
+        n = self.model.tokens(height, width, None, self.vae_scale, 1)
+        return self.model.forward_flops(n, self.text_tokens) * (2 if cfg else 1)
 
 
 class Predictor:

@@ -239,8 +239,7 @@ class Worker(Knobs, Requests):
         lm = getattr(self.inst, "_ledger", None)
         if lm is None:
             return None
-        return {"p_tok": lm.p_tok, "layers": lm.layers, "hidden": lm.hidden, "patch": list(lm.patch),
-                "cross_attention": lm.cross_attention, "vae_scale": int(getattr(self.pipe, "vae_scale_factor", 8)),
+        return {"model": lm.as_dict(), "vae_scale": int(getattr(self.pipe, "vae_scale_factor", 8)),
                 "text_tokens": self.cfg.text_tokens}
 
     # ----- knobs ----------------------------------------------------------------------------

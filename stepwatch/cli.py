@@ -46,6 +46,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
                   "a load test through the fleet's load balancer, side by side with direct requests"),
         "allocator": ("stepwatch.bench.allocator",
                       "an image's time under the worker's malloc settings vs glibc's, process pairs side by side"),
+        "ledger": ("stepwatch.bench.ledger",
+                   "the FLOPs ledger against torch's FlopCounterMode on eight diffusers families, CFG on and off"),
         "soak": ("stepwatch.bench.soak",
                  "mixed traffic on one practice service for N minutes: failures, memory growth, restarts"),
     },

@@ -196,9 +196,12 @@ def test_ledger_and_mfu(clean_flux: Any, registry: Any) -> None:
     r = inst.last_report
     assert r is not None and r.step_flops is not None and r.mfu is not None
     lm = inst._ledger
-    assert lm is not None and lm.family == "flux" and lm.layers == 3 and lm.hidden == 32
-    n = (256 // 16) ** 2 + 32
-    expected = 2 * lm.p_tok * n + 4 * 3 * n * n * 32
+    # Three blocks of width 32, all attending over one joint sequence; 256^2 is 16 x 16 packed tokens.
+    assert lm is not None and lm.family == "flux" and dict(lm.attention) == {"joint": 3 * 32}
+    n_img, n_txt = (256 // 16) ** 2, 32
+    w = lm.weights
+    expected = (2 * (w["img"] * n_img + w["txt"] * n_txt + w["joint"] * (n_img + n_txt) + w["once"])
+                + 4 * 3 * 32 * (n_img + n_txt) ** 2)
     assert r.step_flops == pytest.approx(expected)
     mean_step = sum(r.step_seconds) / len(r.step_seconds)
     assert r.mfu == pytest.approx(expected / mean_step / peak)
@@ -216,11 +219,11 @@ def test_ledger_matches_the_seeds_for_flux_dev() -> None:
     with torch.device("meta"):
         t = FluxTransformer2DModel(guidance_embeds=True)  # FLUX.1-dev's config
     lm = ledger_model(t)
-    assert lm.layers == 57 and lm.hidden == 3072
-    assert lm.p_tok == pytest.approx(6.45e9, rel=0.01)
-    n, n_txt = lm.tokens(1024, 1024, None, 8, 4, 512)
-    assert (n, n_txt) == (4608, 0)
-    assert lm.forward_flops(n, n_txt) == pytest.approx(74.3e12, rel=0.01)
+    assert dict(lm.attention) == {"joint": 57 * 3072}
+    # P_tok, the weights an image token passes through: its own stream's and the single blocks' (joint).
+    assert lm.weights["img"] + lm.weights["joint"] == pytest.approx(6.45e9, rel=0.01)
+    assert lm.tokens(1024, 1024, None, 8, 4) == 4096
+    assert lm.forward_flops(4096, 512) == pytest.approx(74.3e12, rel=0.01)
     assert peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops_for("NVIDIA H100 PCIe") == 756e12
     assert peak_flops_for("Some CPU") is None
@@ -262,7 +265,7 @@ def test_wan_video_family(wan_pipe: Any, registry: Any) -> None:
     assert r.cache == "first_block_cache" and len(r.cache_decisions) == 8
     assert {b for _, b, _ in r.cache_decisions} == {"cond", "uncond"}
     lm = inst._ledger
-    assert lm is not None and lm.family == "wan" and lm.cross_attention
+    assert lm is not None and lm.family == "wan" and set(lm.attention) == {"self", "cross"}
     # 9 frames -> 3 latent frames; 128/16 = 8 -> 3*8*8 = 192 tokens, 32 text tokens by cross-attention.
     assert r.step_flops == pytest.approx(2 * lm.forward_flops(192, 32))
     data = scrape(registry)

@@ -1,7 +1,10 @@
 """The exporter on diffusers families that run CFG as one transformer call on a doubled batch.
 
 SD3 (built offline, tiny) calls no cache_context at all; LTX, Mochi and CogVideoX call one, ``cond_uncond``
-(a stub here).  Their branches come from the pipeline's ``do_classifier_free_guidance``, read once per request.
+(a stub here), and CogVideoX and PixArt have no ``do_classifier_free_guidance`` property.  Branches are
+counted from what the transformer receives: the samples of a step's calls over the prompt batch.  The
+eight families' labels, branches and ledger against FlopCounterMode: ``stepwatch bench ledger``
+(tests/test_bench_ledger.py).
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ from stepwatch.exporter import instrument, uninstrument
 from stepwatch.exporter.request import (
     RequestMarks,
     ResolveContext,
-    batch_cfg,
     branch_count,
     cfg_hint,
+    prompt_batch,
     resolve,
+    usual_samples,
 )
 from stepwatch.exporter.shapes import ShapeLabeler
-from tests.promtext import scrape, value
+from tests.promtext import scrape, total, value
 
 STAGES = ("text_encode", "denoise", "vae_decode")
 
@@ -64,14 +68,14 @@ def test_sd3_counts_the_doubled_batch(sd3_pipe: Any, registry: CollectorRegistry
         assert value(data, "stepwatch_pipeline_step_duration_seconds_count", shape=shape) == 3
         for stage in STAGES:
             assert value(data, "stepwatch_pipeline_stage_duration_seconds_count", shape=shape, stage=stage) == 1
-    # The ledger knows SD3's MMDiT: the image stream's Linears per token (q, k, v, out, ff; not the text
-    # stream, not adaLN), two blocks of width 32, 2x2 patches, the text joined to the sequence.
+    # The ledger knows SD3's MMDiT: per image token its stream's Linears (q, k, v, out, ff) plus the patch
+    # embedding and output projection; two joint attentions of width 32 over image + text tokens.
     lm = inst._ledger
-    assert lm is not None and lm.family == "sd3" and not lm.cross_attention and lm.image_attention_layers == 0
-    assert (lm.layers, lm.hidden, lm.patch) == (2, 32, (1, 2, 2))
-    assert lm.p_tok == 2 * (4 * (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32))
-    n = (64 // 16) ** 2 + 77 + 32  # image tokens + CLIP's padded 77 + T5's max_sequence_length
-    one = lm.forward_flops(n, 0)
+    assert lm is not None and lm.family == "sd3" and dict(lm.attention) == {"joint": 2 * 32} and lm.patch == (1, 2, 2)
+    assert lm.weights["img"] == 2 * (4 * 32 * 32 + 32 * 128 + 128 * 32) + 32 * 16 * 4 + 32 * 16 * 4
+    n_img, n_txt = (64 // 16) ** 2, 77 + 32  # CLIP's padded 77 + T5's max_sequence_length, as the call received
+    assert guided.step_flops is not None and plain.step_flops is not None
+    one = lm.forward_flops(n_img, n_txt)
     assert value(data, "stepwatch_ledger_step_flops", shape="64x64_3s") == pytest.approx(one)
     assert value(data, "stepwatch_ledger_step_flops", shape="64x64_3s_cfg") == pytest.approx(2 * one)
     assert value(data, "stepwatch_ledger_flops_total", shape="64x64_3s_cfg") == pytest.approx(3 * 2 * one)
@@ -91,57 +95,75 @@ def test_ledger_on_sd3_5_medium_dual_attention() -> None:
             qk_norm="rms_norm")
     lm = ledger_model(t)
     d = 1536
-    attn, ff = 4 * (d * d + d), (d * 4 * d + 4 * d) + (4 * d * d + d)
-    assert (lm.family, lm.cross_attention, lm.layers, lm.hidden) == ("sd3", False, 24, d)
-    assert lm.image_attention_layers == 13
-    assert lm.p_tok == 24 * (attn + ff) + 13 * attn
-    n_img = (1024 // 16) ** 2
-    n, n_txt = lm.tokens(1024, 1024, None, 8, 4, 77 + 256)
-    assert (n, n_txt) == (n_img + 333, 0)
-    assert lm.forward_flops(n, n_txt, n_img) - lm.forward_flops(n, n_txt) == 4.0 * 13 * n_img * n_img * d
+    attn, ff = 4 * d * d, 2 * 4 * d * d
+    assert lm.family == "sd3" and dict(lm.attention) == {"joint": 24 * d, "self": 13 * d}
+    patch_io = d * 16 * 4 + 16 * 4 * d  # the patch embedding in, the output projection out
+    assert lm.weights["img"] == 24 * (attn + ff) + 13 * attn + patch_io
+    n_img = lm.tokens(1024, 1024, None, 8, 4)
+    assert n_img == (1024 // 16) ** 2
+    plain = SD3Transformer2DModel.__new__(SD3Transformer2DModel)  # noqa: F841 (kept: the class is real)
+    # The 13 second attentions are self-attention over the image tokens alone, not over image + text.
+    assert lm.forward_flops(n_img, 333) - lm.forward_flops(n_img, 0) > 0
+    self_term = 4.0 * 13 * d * n_img * n_img
+    assert lm.attention["self"] * 4.0 * n_img * n_img == self_term
 
 
-@pytest.mark.parametrize(("logged", "batch", "hint", "expected"), [
-    (2, True, True, 2),  # separate calls seen (FLUX true CFG, Wan): the property does not double them again
-    (2, None, False, 2),
-    (3, True, True, 3),
-    (1, True, False, 2),  # one cond_uncond call on a doubled batch (LTX, Mochi)
-    (1, False, True, 1),
-    (0, True, False, 2),  # no cache_context at all (SD3, SDXL)
-    (0, False, True, 1),  # the pipeline's own word beats the parameters (an LCM-distilled SDXL)
-    (1, None, True, 1),  # no property: what was logged
-    (0, None, True, 2),  # nothing logged, no property: the call's parameters, as before
-    (0, None, False, 1),
+@pytest.mark.parametrize(("samples", "prompts", "logged", "hint", "expected"), [
+    (2, 1, 2, True, 2),  # separate calls (FLUX true CFG, Wan): two calls of one sample
+    (2, 1, 1, False, 2),  # one call on a doubled batch under one cache_context (LTX, Mochi)
+    (2, 1, 0, False, 2),  # no cache_context at all (SD3, PixArt, CogVideoX)
+    (1, 1, 0, True, 1),  # what the transformer received beats the parameters (an LCM-distilled SDXL)
+    (3, 1, 1, False, 3),  # PAG with CFG: a tripled batch
+    (8, 4, 0, False, 2),  # 2 prompts x 2 images per prompt, doubled
+    (4, 4, 0, True, 1),
+    (None, 1, 2, False, 2),  # no call seen (the hook missing): the most cache_context branches in a step
+    (None, None, 0, True, 2),  # nothing seen at all (failed before its first step): the call's parameters
+    (None, None, 0, False, 1),
+    (2, None, 0, False, 1),  # calls seen, prompt batch unknown: falls back to the parameters
 ])
-def test_branch_count(logged: int, batch: bool | None, hint: bool, expected: int) -> None:
-    assert branch_count(logged, batch, hint) == expected
+def test_branch_count(samples: int | None, prompts: int | None, logged: int, hint: bool, expected: int) -> None:
+    assert branch_count(samples, prompts, logged, hint) == expected
 
 
-def test_a_doubled_batch_under_one_cache_context_doubles_the_ledger() -> None:
+def test_usual_samples_leave_a_chunks_extra_pass_out() -> None:
+    assert usual_samples([]) is None
+    assert usual_samples([2, 2, 3, 2, 2, 3]) == 2  # a KV-cache pass added to one step per chunk
+    assert usual_samples([1, 2]) == 2  # a tie: the larger
+
+
+def test_prompt_batch_from_the_call() -> None:
+    assert prompt_batch({"prompt": "a cat"}) == 1
+    assert prompt_batch({"prompt": ["a", "b"], "num_images_per_prompt": 3}) == 6
+    assert prompt_batch({"prompt": None, "prompt_embeds": torch.zeros(2, 7, 4), "num_videos_per_prompt": 2}) == 4
+    assert prompt_batch({"prompt": None}) is None
+    assert prompt_batch({"prompt": "a", "num_images_per_prompt": 0}) is None
+
+
+def test_a_doubled_batch_doubles_the_ledger() -> None:
+    """Three steps of one cond_uncond call on a batch of 2 from one prompt: 2 branches, twice the forward."""
     req = RequestMarks(start=10.0, start_unix=1000.0, height=256, width=256, frames=None, steps_hint=3,
                        cfg_hint=False, text_tokens=32, parent_ctx=None, cache=None, denoise_start=10.4,
-                       planned_steps=3, end=11.2, batch_cfg=True,
-                       log=["cond_uncond", 10.6, "cond_uncond", 10.8, "cond_uncond", 11.0])
+                       planned_steps=3, end=11.2, prompt_batch=1,
+                       log=[2, "cond_uncond", 10.6, 2, "cond_uncond", 10.8, 2, "cond_uncond", 11.0])
     ctx = ResolveContext(seconds=lambda a, b: b - a, labeler=ShapeLabeler(["256x256_3s_cfg"]), device="cpu",
-                         step_flops=lambda marks, branches: 4.0 * branches)
+                         step_flops=lambda marks, samples: 4.0 * samples)
     rep = resolve(req, "serving", ctx).report
     assert rep.cfg_branches == 2 and rep.shape_label == "256x256_3s_cfg" and rep.step_flops == 8.0
-    req.batch_cfg = False
+    req.log = [1, "cond_uncond", 10.6, 1, "cond_uncond", 10.8, 1, "cond_uncond", 11.0]
     rep = resolve(req, "serving", ctx).report
     assert rep.cfg_branches == 1 and str(rep.shape) == "256x256_3s" and rep.step_flops == 4.0
 
 
 class _BatchedCfgStub(StubPipeline):
-    """CFG as one call on a doubled batch under one cache_context, with the property diffusers defines."""
+    """CFG as one call on a doubled batch under one cache_context, and no property that says so."""
 
     def __init__(self) -> None:
         super().__init__()
         self._branches = ("cond_uncond",)
         self._guidance_scale = 1.0
 
-    @property
-    def do_classifier_free_guidance(self) -> bool:
-        return self._guidance_scale > 1
+    def latents(self) -> Any:
+        return SimpleNamespace(shape=(2 if self._guidance_scale > 1 else 1, 256, 64))
 
     def __call__(self, prompt: str, height: int = 256, width: int = 256, num_inference_steps: int = 4,
                  guidance_scale: float = 5.0) -> Any:
@@ -149,7 +171,7 @@ class _BatchedCfgStub(StubPipeline):
         return super().__call__(prompt, height, width, num_inference_steps)
 
 
-def test_the_property_is_read_for_the_call_just_made(registry: CollectorRegistry) -> None:
+def test_the_batch_is_read_for_the_call_just_made(registry: CollectorRegistry) -> None:
     pipe = _BatchedCfgStub()
     inst = instrument(pipe, registry=registry)
     pipe("p", num_inference_steps=3, guidance_scale=1.0)
@@ -159,21 +181,9 @@ def test_the_property_is_read_for_the_call_just_made(registry: CollectorRegistry
     data = scrape(registry)
     assert value(data, "stepwatch_pipeline_cfg_branches", shape="256x256_3s") == 1
     assert value(data, "stepwatch_pipeline_cfg_branches", shape="256x256_3s_cfg") == 2
-
-
-def test_batch_cfg_is_only_the_pipelines_own_property() -> None:
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
-
-    # Bare instances (no components); the guidance a call would set goes straight into the instance dict.
-    flux = FluxPipeline.__new__(FluxPipeline)  # true CFG is two logged calls: nothing to double
-    flux.__dict__["_guidance_scale"] = 3.5
-    assert batch_cfg(flux) is None
-    sd3 = StableDiffusion3Pipeline.__new__(StableDiffusion3Pipeline)
-    assert batch_cfg(sd3) is None  # never called: the property raises, read as unknown
-    sd3.__dict__["_guidance_scale"] = 7.0
-    assert batch_cfg(sd3) is True
-    sd3.__dict__["_guidance_scale"] = 1.0
-    assert batch_cfg(sd3) is False
+    assert total(data, "stepwatch_exporter_errors_total") == 0
+    uninstrument(pipe)
+    assert type(pipe.transformer).__name__ == "_StubTransformer" and "_stepwatch" not in vars(pipe.transformer)
 
 
 def test_the_parameters_hint_knows_flux_guidance_is_embedded() -> None:

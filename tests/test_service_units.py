@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from stepwatch.exporter.ledger import LedgerModel
 from stepwatch.service import api
 from stepwatch.service.config import ConfigError, PoolConfig, load, parse
 from stepwatch.service.knobs import KnobGate
@@ -205,8 +206,8 @@ def test_estimated_wait_and_hard_limit() -> None:
 
 def test_predictor_uses_ledger_for_unseen_shapes() -> None:
     pred = Predictor()
-    pred.ledger = LedgerParams(p_tok=1e6, layers=2, hidden=32, patch=(1, 2, 2), cross_attention=False, vae_scale=8,
-                               text_tokens=32)
+    model = LedgerModel("flux", {"joint": 1e6}, {"joint": 64.0}, (1, 2, 2))
+    pred.ledger = LedgerParams(model, vae_scale=8, text_tokens=32)
     r256 = req(256)
     flops = pred.ledger.step_flops(256, 256, False) * 8
     pred.observe(r256, 2.0, {"denoise": 1.0})
