@@ -137,6 +137,8 @@ class RequestLifecycle(InstrumentationState):
                         parent_ctx=spans.capture_parent() if self._tracer is not None else None,
                         cache=self._find_cache(den) if den is not None else None)
         req.capacity = self.memory.capacity_bytes()
+        if self._tracer is not None:
+            req.span_attrs = spans.request_attributes(spans.model_name(self.pipe), params, req.frames is not None)
         if self._chunks is not None:
             self._chunks = chunks.with_window(self._chunks, den)  # a host may change the window between calls
             req.stream = chunks.marks_for(self._chunks, params, req.height, req.width)
@@ -241,7 +243,7 @@ class RequestLifecycle(InstrumentationState):
                 self._guarded("emit.few_step", self.publisher.few_step_hits, report)
         if self._tracer is not None:  # the step bounds are built only for spans
             self._guarded("emit.spans", spans.emit, self._tracer, report, req.parent_ctx, r.stage_bounds,
-                          r.step_bounds)
+                          r.step_bounds, req.span_attrs)
         if self.options.rank_reporter is not None:
             self._guarded("ranks", self.options.rank_reporter.report, report, req.rank_request)
         if self.options.on_report is not None:

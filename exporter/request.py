@@ -73,6 +73,7 @@ class RequestMarks:
     call_shape: tuple[tuple[int, ...], int | None] | None = None
     rank_request: int = -1  # this request's index on the rank reporter's timeline (see exporter/ranks.py)
     stream: Any = None  # chunks.StreamMarks for a chunked autoregressive video call
+    span_attrs: dict[str, Any] | None = None  # the GenAI request attributes, read only when spans are drawn
     add: Callable[[Any], None] = field(init=False, repr=False)
     take: Callable[[], dict[str, Any]] | None = field(init=False, repr=False)
 

@@ -272,7 +272,7 @@ def test_wan_video_family(wan_pipe: Any, registry: Any) -> None:
     assert value(data, "stepwatch_pipeline_step_duration_seconds_count", shape="128x128x9_4s_cfg") == 4
 
 
-def test_spans_request_stages_and_step_events(clean_flux: Any, registry: Any) -> None:
+def _span_exporter() -> tuple[Any, Any]:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -280,19 +280,71 @@ def test_spans_request_stages_and_step_events(clean_flux: Any, registry: Any) ->
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter, provider
+
+
+def test_spans_follow_the_genai_conventions(clean_flux: Any, registry: Any) -> None:
+    from stepwatch import __version__
+
+    exporter, provider = _span_exporter()
     instrument(clean_flux, registry=registry, tracer_provider=provider)
     gen(clean_flux, steps=5)
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert set(spans) == {"diffusion.request", "diffusion.text_encode", "diffusion.denoise",
+    assert set(spans) == {"generate_content FluxPipeline", "diffusion.text_encode", "diffusion.denoise",
                           "diffusion.vae_decode"}
-    root = spans["diffusion.request"]
+    root = spans["generate_content FluxPipeline"]
+    assert root.instrumentation_scope.name == "stepwatch.exporter"
+    assert root.instrumentation_scope.version == __version__
+    a = root.attributes
+    assert (a["gen_ai.operation.name"], a["gen_ai.provider.name"], a["gen_ai.request.model"]) == (
+        "generate_content", "diffusers", "FluxPipeline")
+    assert a["gen_ai.output.type"] == "image" and a["gen_ai.request.seed"] == 0
+    assert a["stepwatch.shape"] == "256x256_5s" and a["stepwatch.ledger.step_flops"] > 0
+    assert "error.type" not in a and not [e for e in root.events if e.name == "exception"]
     for name in ("diffusion.text_encode", "diffusion.denoise", "diffusion.vae_decode"):
         child = spans[name]
         assert child.parent is not None and child.parent.span_id == root.context.span_id
         assert root.start_time <= child.start_time <= child.end_time <= root.end_time
+        assert child.attributes["stepwatch.stage"] == name.split(".")[1]
+        assert child.attributes["stepwatch.stage.seconds"] == pytest.approx((child.end_time - child.start_time) / 1e9,
+                                                                             abs=1e-6)
+        assert child.attributes["stepwatch.memory.peak_bytes"] > 0
+    assert spans["diffusion.denoise"].attributes["stepwatch.steps"] == 5
     events = [e for e in root.events if e.name == "step"]
-    assert [e.attributes["step.index"] for e in events] == [0, 1, 2, 3, 4]
-    assert root.attributes["stepwatch.shape"] == "256x256_5s"
+    assert [e.attributes["stepwatch.step.index"] for e in events] == [0, 1, 2, 3, 4]
+
+
+def test_a_failed_request_span_has_an_error_type_and_an_exception_event(clean_flux: Any, registry: Any) -> None:
+    from opentelemetry.trace import StatusCode
+
+    exporter, provider = _span_exporter()
+    instrument(clean_flux, registry=registry, tracer_provider=provider)
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the scheduler broke")
+
+    with pytest.raises(ValueError):
+        gen(clean_flux, steps=3, callback_on_step_end=boom)
+    root = next(s for s in exporter.get_finished_spans() if s.name.startswith("generate_content"))
+    assert root.attributes["error.type"] == "ValueError" and root.status.status_code is StatusCode.ERROR
+    event = next(e for e in root.events if e.name == "exception")
+    assert event.attributes["exception.type"] == "ValueError"
+    assert event.attributes["exception.message"] == "the scheduler broke"
+
+
+def test_a_model_directory_names_the_span_by_its_last_part() -> None:
+    from types import SimpleNamespace
+
+    from stepwatch.exporter.spans import model_name, request_attributes
+
+    assert model_name(SimpleNamespace(name_or_path="/srv/models/FLUX.1-dev/")) == "FLUX.1-dev"
+    assert model_name(SimpleNamespace(config={"_name_or_path": "black-forest-labs/FLUX.1-schnell"})) == \
+        "FLUX.1-schnell"
+    assert model_name(SimpleNamespace(name_or_path="")) == "SimpleNamespace"
+    attrs = request_attributes("wan", {"num_videos_per_prompt": 2, "generator": [torch.Generator().manual_seed(7)]},
+                               video=True)
+    assert attrs["gen_ai.output.type"] == "video" and attrs["gen_ai.request.choice.count"] == 2
+    assert attrs["gen_ai.request.seed"] == 7
 
 
 def test_no_spans_without_an_sdk(clean_flux: Any, registry: Any) -> None:
