@@ -120,6 +120,11 @@ def _candidate_modules(transformer: Any) -> Any:
         yield from transformer.modules()
 
 
+def no_cache(transformer: Any) -> None:
+    """The finder where the version gate turned cache decisions off (stepwatch.versions): no cache is read."""
+    return None
+
+
 class CacheFinder:
     """find_cache, memoized on the transformer's cache config (diffusers sets it on enable/disable)."""
 

@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 from prometheus_client import REGISTRY
 
-from stepwatch import __version__
+from stepwatch import __version__, versions
 from stepwatch.exporter import caches, chunks, hooks, ledger, patches, spans
 from stepwatch.exporter.clock import Clock, clock_for
 from stepwatch.exporter.compile_watch import WATCH
@@ -101,11 +101,14 @@ class Instrumentation(RequestLifecycle, StreamSessions):
         self.metrics = MetricSet.shared(registry, "exporter")
         self._guard = Guard(self.metrics)
         self.patches = patches.PatchRegistry(on_error=self._guard.fail)
+        # Signals that read another library's private state run only on tested versions (stepwatch.versions).
+        self._gates = {signal: versions.enabled(signal, self._count_off)
+                       for signal in ("cache_decisions", "compiled_call", "batched_observe")}
         self.labeler = ShapeLabeler(options.shapes, options.max_shapes)
         device = getattr(pipe, "device", None)
         self.clock: Clock = options.clock or clock_for(device)
         self.memory: MemoryProbe = options.memory or probe_for(device)
-        self.publisher = Publisher(self.metrics, self.memory.device)
+        self.publisher = Publisher(self.metrics, self.memory.device, batched=self._gates["batched_observe"])
         self.phase = "serving"
         self.last_report: RequestReport | None = None
         self._local = threading.local()
@@ -116,7 +119,7 @@ class Instrumentation(RequestLifecycle, StreamSessions):
         self._chunks: chunks.ChunkModel | None = None  # set for a chunked autoregressive video pipeline
         self._stream: chunks.StreamPublisher | None = None
         self._sig = CallSignature(type(pipe))
-        self._find_cache = caches.CacheFinder()
+        self._find_cache = caches.CacheFinder() if self._gates["cache_decisions"] else caches.no_cache
         self._components_key: tuple[int, ...] = ()
         self.peak_flops = options.peak_flops
         self.few_step_max_steps = options.few_step_max_steps or _default_few_step()
@@ -127,6 +130,10 @@ class Instrumentation(RequestLifecycle, StreamSessions):
             seconds=self.clock.seconds, offsets=getattr(self.clock, "offsets", None), labeler=self.labeler,
             device=self.memory.device, peak_flops=self.peak_flops,
             step_flops=StepFlops(self._ledger) if self._ledger is not None else None)
+
+    def _count_off(self, component: str) -> None:
+        """A signal the version gate turned off: one count under ``version.<signal>``."""
+        self.metrics.exporter_errors_total.labels(component=component).inc()
 
     # ----- set-up ---------------------------------------------------------------------------
     def _setup_static(self) -> None:
@@ -227,7 +234,8 @@ class Instrumentation(RequestLifecycle, StreamSessions):
         reg = self.patches
         name = patches.denoiser_call(comp)
         if mod.__dict__.get("_compiled_call_impl") is not None:
-            reg.wrap(name, mod, "_compiled_call_impl", lambda fn: hooks.compiled_denoiser_call(self, fn))
+            if self._gates["compiled_call"]:
+                reg.wrap(name, mod, "_compiled_call_impl", lambda fn: hooks.compiled_denoiser_call(self, fn))
             return
         reg.register(name, mod, "__class__", hooks.denoiser_class(type(mod)))
         # After the swap: the subclass declares the attribute, so a wrapper that forwards unknown attributes

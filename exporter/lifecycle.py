@@ -55,7 +55,7 @@ class RequestLifecycle(InstrumentationState):
     _pending_lock: threading.Lock
     _tracer: Any
     _sig: CallSignature
-    _find_cache: caches.CacheFinder
+    _find_cache: Callable[[Any], tuple[str, caches.Decision] | None]
     _resolve_ctx: ResolveContext
     _ensure_component_patches: Callable[[], None]
     _emit_stream: Callable[[RequestMarks, RequestReport], None]

@@ -16,6 +16,13 @@ from stepwatch.exporter.request import PEAK_STAGES, STAGES
 from stepwatch.metrics import ExporterMetrics
 
 
+def observe_each(hist: Any, amounts: Sequence[float]) -> None:
+    """One public observe() per amount: what ``observe_all`` does where prometheus_client's internals are
+    not of a tested version (``stepwatch.versions``)."""
+    for a in amounts:
+        hist.observe(a)
+
+
 def observe_all(hist: Any, amounts: Sequence[float]) -> None:
     """``hist.observe(a)`` for every amount, with one increment per touched bucket (or of the count, for a
     summary) and one of the sum: prometheus_client's observe() takes a lock per call.  Falls back to
@@ -78,9 +85,10 @@ class ShapeChildren:
 class Publisher:
     """Writes reports into one ExporterMetrics for one device."""
 
-    def __init__(self, metrics: ExporterMetrics, device: str) -> None:
+    def __init__(self, metrics: ExporterMetrics, device: str, batched: bool = True) -> None:
         self.metrics = metrics
         self.device = device
+        self.observe = observe_all if batched else observe_each  # see stepwatch.versions (batched_observe)
         self.position = metrics.cache_hit_position_ratio
         self.capacity = metrics.memory_capacity_bytes.labels(device=device)
         self.ratio = metrics.memory_peak_ratio.labels(device=device)
@@ -136,7 +144,7 @@ class Publisher:
         for stage, sec in r.stages.items():
             c.stages[stage].observe(sec)
         if r.step_seconds:
-            observe_all(c.step, r.step_seconds)
+            self.observe(c.step, r.step_seconds)
             c.branches.set(r.cfg_branches)
 
     def _cache(self, r: RequestReport, cache: str, c: ShapeChildren) -> None:
@@ -149,7 +157,7 @@ class Publisher:
             m.cache_decisions_total.labels(shape=r.shape_label, cache=cache, decision="hit").inc(hits)
         if misses:
             m.cache_decisions_total.labels(shape=r.shape_label, cache=cache, decision="miss").inc(misses)
-        observe_all(self.position, positions)
+        self.observe(self.position, positions)
 
     def _memory(self, r: RequestReport) -> None:
         peaks = self._peaks

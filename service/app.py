@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from stepwatch import versions
 from stepwatch.exposition import CONTENT_TYPE
 from stepwatch.service import api, app_videos
 from stepwatch.service.engine import Admission, Answer, Service
@@ -419,7 +420,9 @@ class _Server(uvicorn.Server):
 def make_server(svc: Service, client_timeout: float = CLIENT_TIMEOUT) -> uvicorn.Server:
     """The uvicorn server of ``svc``'s API; ``run(sockets=[sock])`` serves until SIGTERM/SIGINT (in the main
     thread) or until ``should_exit`` is set; the caller starts and stops ``svc``."""
-    protocol = type("StallTimeoutH11", (_StallTimeout,), {"client_timeout": client_timeout})
+    protocol: Any = "h11"  # uvicorn's own, without the stall timeout, on a version it was not tested with
+    if versions.enabled("stall_timeout"):
+        protocol = type("StallTimeoutH11", (_StallTimeout,), {"client_timeout": client_timeout})
     config = uvicorn.Config(create_app(svc, client_timeout), http=protocol, lifespan="off", log_config=None,
                             log_level="warning", access_log=False, timeout_graceful_shutdown=10,
                             server_header=False, headers=[("server", "stepwatch")])

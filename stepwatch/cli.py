@@ -55,6 +55,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "up": ("stepwatch.fault_injection.cli_fleet",
                "the practice fleet: replicas behind haproxy, agents, HA evaluators, clustered Alertmanagers"),
     },
+    "versions": ("stepwatch.versions",
+                 "the signals that read other libraries' private state: installed and tested versions, on or off"),
     "gpu-check": ("stepwatch.bench.cli_gpu_check", "prove CUDA timing adds no synchronization (needs a GPU)"),
 }
 
