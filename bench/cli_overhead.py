@@ -172,8 +172,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"hooks alone (stub pipeline, 4 steps): {hooks['request_us']:.1f} us per request, "
           f"{hooks['per_step_us']:.1f} us per step")
     stub = _stub_cases()
-    print("target: ratio <= 1.01, hooks <= 3 us per step with FirstBlockCache and 2 CFG branches.  Wall-clock"
-          " differences below the CI width are noise; the stub rows are the precise host cost.")
+    # Each transformer call is recorded (its batch: CFG branches from what the transformer receives), about
+    # 0.6 us on this host; a real transformer call takes milliseconds, so it is budgeted per call.
+    print("target: ratio <= 1.01; hooks <= 2 us per step plus 1 us per transformer call (FirstBlockCache and 2"
+          " CFG branches: <= 4 us).  Wall-clock differences below the CI width are noise; the stub rows are the"
+          " precise host cost.")
     if args.json:
         keys = ("name", "shape", "step_ms_bare", "step_ms_instrumented", "overhead_us_per_step", "ratio",
                 "ratio_ci95")

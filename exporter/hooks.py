@@ -102,50 +102,48 @@ def cache_context(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[...
     return cache_context
 
 
-def _denoiser_call(inst: Instrumentation, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    req = getattr(inst._local, "req", None)
-    if req is not None:
-        try:
-            inst._denoiser_call(req, args, kwargs)
-        except Exception as e:
-            inst._guard.fail(patches.DENOISER_CALL, e)
+def _recording(inst: Instrumentation, call: Callable[..., Any], bound: bool) -> Callable[..., Any]:
+    """``call`` preceded by the per-call record (one per CFG branch per step: the hot path, so the record is
+    inline and its lookups bound once per handle): the call's batch to the log; the first call's shapes
+    through the handle (``_first_call``), once per request.  ``bound``: ``call`` takes the module first (a
+    class's __call__), else it is already bound (an instance's compiled call)."""
+    local = inst._local
+    fail = inst._guard.fail
+    first = inst._first_call
+    name = patches.DENOISER_CALL
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        req = getattr(local, "req", None)
+        if req is not None:
+            try:
+                hidden = kwargs.get("hidden_states")
+                if hidden is None:
+                    hidden = args[bound] if len(args) > bound else kwargs["sample"]
+                req.add(int(hidden.shape[0]))
+                if req.call_shape is None:
+                    first(req, hidden, kwargs)
+            except Exception as e:
+                fail(name, e)
+        return call(*args, **kwargs)
+
+    recording.__wrapped__ = call  # type: ignore[attr-defined]
+    return recording
 
 
-def denoiser_class(cls: type) -> type:
-    """A subclass of the transformer's class whose __call__ records what each call receives (its batch;
-    the first call's shapes) before the module's own call, outside anything torch.compile traces.  The
-    handle is the instance's ``_stepwatch`` attribute (one subclass per class)."""
-    sub = _DENOISER_CACHE.get(cls)
-    if sub is not None:
-        return sub
-    original_call = cls.__call__
-
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        inst: Instrumentation | None = self.__dict__.get(ATTR)
-        if inst is not None:
-            _denoiser_call(inst, args, kwargs)
-        return original_call(self, *args, **kwargs)
-
-    __call__.__wrapped__ = original_call  # type: ignore[attr-defined]
-    sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, ATTR: None,
-                                      "__qualname__": cls.__qualname__, "_stepwatch_original_class": cls})
-    _DENOISER_CACHE[cls] = sub
-    return sub
+def denoiser_class(inst: Instrumentation, cls: type) -> type:
+    """A subclass of the transformer's class whose __call__ records what each call receives before the
+    module's own call, outside anything torch.compile traces (one per handle and class)."""
+    call = _recording(inst, cls.__call__, True)
+    return type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "_stepwatch_original_class": cls})
 
 
 def compiled_denoiser_call(inst: Instrumentation, fn: Callable[..., Any]) -> Callable[..., Any]:
     """For a transformer already compiled in place (``module.compile()``): the same record around its
     compiled call, on the instance, since swapping its class would fail dynamo's type guard (a recompile)."""
-
-    def compiled_call(*args: Any, **kwargs: Any) -> Any:
-        _denoiser_call(inst, args, kwargs)
-        return fn(*args, **kwargs)
-
-    compiled_call.__wrapped__ = fn  # type: ignore[attr-defined]
-    return compiled_call
+    return _recording(inst, fn, False)
 
 
-_DENOISER_CACHE: dict[type, type] = {}
 _CLASS_CACHE: dict[type, type] = {}
 
 

@@ -237,10 +237,7 @@ class Instrumentation(RequestLifecycle, StreamSessions):
             if self._gates["compiled_call"]:
                 reg.wrap(name, mod, "_compiled_call_impl", lambda fn: hooks.compiled_denoiser_call(self, fn))
             return
-        reg.register(name, mod, "__class__", hooks.denoiser_class(type(mod)))
-        # After the swap: the subclass declares the attribute, so a wrapper that forwards unknown attributes
-        # to the module it wraps (torch.compile's OptimizedModule) keeps this one for itself.
-        reg.register(patches.denoiser_owner(comp), mod, ATTR, self)
+        reg.register(name, mod, "__class__", hooks.denoiser_class(self, type(mod)))
 
     # ----- phases ---------------------------------------------------------------------------
     def warmup(self) -> _Phase:

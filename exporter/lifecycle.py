@@ -86,20 +86,12 @@ class RequestLifecycle(InstrumentationState):
             req.vae_spans.append((req.vae_open, m))
             req.stage = "postprocess"
 
-    def _denoiser_call(self, req: RequestMarks, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A transformer call: its batch goes to the log (CFG branches are counted from it); the first
-        call's hidden_states shape and text tokens are what the ledger counts."""
-        hidden = kwargs.get("hidden_states") if kwargs else None
-        if hidden is None:
-            hidden = kwargs.get("sample") if kwargs else None  # a UNet's name for it
-            if hidden is None:
-                hidden = args[0]
-        shape = hidden.shape
-        req.add(int(shape[0]))
-        if req.call_shape is None:
-            text = getattr(kwargs.get("encoder_hidden_states"), "shape", None)
-            tokens = int(text[1]) if text is not None and len(text) >= 2 else None
-            req.call_shape = (tuple(int(d) for d in shape), tokens)
+    def _first_call(self, req: RequestMarks, hidden: Any, kwargs: dict[str, Any]) -> None:
+        """The request's first transformer call: its hidden_states shape and text tokens, what the ledger
+        counts (the batches of all calls go to the log in the hook itself)."""
+        text = getattr(kwargs.get("encoder_hidden_states"), "shape", None)
+        tokens = int(text[1]) if text is not None and len(text) >= 2 else None
+        req.call_shape = (tuple(int(d) for d in hidden.shape), tokens)
 
     def _denoise_start(self, req: RequestMarks) -> None:
         self._close_stage_memory(req)
