@@ -35,11 +35,6 @@ def denoiser_call(component: str) -> str:
     return f"{component}.__call__"
 
 
-def denoiser_owner(component: str) -> str:
-    """The name of the attribute on a denoiser that points its swapped class at the handle."""
-    return f"{component}._stepwatch"
-
-
 def component_of(name: str) -> str | None:
     """The pipeline attribute a hook name patches, or None for patches on the pipeline itself."""
     comp = name.split(".", 1)[0]
