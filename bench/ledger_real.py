@@ -55,6 +55,7 @@ def real_row(rc: RealConfig) -> dict[str, Any]:
     with torch.device("meta"):
         transformer = getattr(diffusers, rc.transformer)(**rc.overrides)
     lm = ledger_model(transformer)
+    assert lm is not None, rc.transformer  # every family here is a transformer
     h, w, frames = rc.size
     n_img = lm.tokens(h, w, frames, *rc.vae)
     flops = lm.forward_flops(n_img, rc.text_tokens)

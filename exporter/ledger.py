@@ -171,12 +171,16 @@ def _family(name: str, table: Mapping[str, Any], default: Any) -> Any:
     return next((v for prefix, v in table.items() if name.startswith(prefix)), default)
 
 
-def ledger_model(transformer: Any) -> LedgerModel:
+def ledger_model(transformer: Any) -> LedgerModel | None:
     """Read the ledger's inputs from a diffusers transformer: every Linear and convolution by the tokens it
-    sees, every attention by its kind.  Works on the meta device (real configs without weights)."""
+    sees, every attention by its kind.  Works on the meta device (real configs without weights).  None for
+    a UNet (SD 1.x, SDXL): its resolution halves level by level, which a per-token ledger does not model, so
+    it has no FLOPs or MFU rather than wrong ones."""
     import torch  # lazy: importing stepwatch.exporter (the sidecar does) must not import torch
 
     name = type(transformer).__name__
+    if "UNet" in name:
+        return None
     cfg = dict(getattr(transformer, "config", None) or {})
     joined = _family(name, _JOINED_LISTS, ())
     weights = dict.fromkeys(TOKEN_CLASSES, 0.0)

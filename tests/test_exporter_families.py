@@ -196,3 +196,15 @@ def test_the_parameters_hint_knows_flux_guidance_is_embedded() -> None:
     assert not cfg_hint(pipe("Flux2Transformer2DModel"), {"guidance_scale": 4.0})
     assert cfg_hint(pipe("PixArtTransformer2DModel"), {"guidance_scale": 4.5})
     assert not cfg_hint(pipe("PixArtTransformer2DModel"), {"guidance_scale": 1.0})
+
+
+def test_a_unet_has_no_ledger_rather_than_a_wrong_one() -> None:
+    """A UNet's resolution halves level by level: the per-token ledger would count every convolution at the
+    latent's full size, so a UNet gets no FLOPs (and no MFU)."""
+    from diffusers import UNet2DConditionModel
+
+    from stepwatch.exporter.ledger import ledger_model
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel()
+    assert ledger_model(unet) is None
