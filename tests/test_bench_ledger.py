@@ -56,7 +56,7 @@ def test_a_ledger_of_the_request_size_fails_on_resolution_binning(monkeypatch: p
     assert row["ratio"] < 0.2 and not bench_ledger.passes(row)
 
 
-class _Tiny(torch.nn.Module):
+class TinyTransformer(torch.nn.Module):
     """A real module with the hooks' cache_context, compiled in place before it is instrumented."""
 
     def __init__(self) -> None:
@@ -74,7 +74,7 @@ def test_a_transformer_compiled_in_place_is_recorded_without_a_recompile() -> No
     from torch._dynamo.utils import counters
 
     pipe = StubPipeline(branches=2)
-    tiny = _Tiny()
+    tiny = TinyTransformer()
     tiny.compile(backend="eager", dynamic=False)
     pipe.transformer = tiny
     pipe.latents = lambda: torch.zeros(1, 4, 8)  # type: ignore[method-assign]
@@ -90,21 +90,21 @@ def test_a_transformer_compiled_in_place_is_recorded_without_a_recompile() -> No
     report = inst.last_report
     assert report is not None and report.cfg_branches == 2 and report.shape_label == "256x256_3s_cfg"
     assert counters["stats"]["unique_graphs"] == graphs  # the class kept, the compiled call wrapped
-    assert type(tiny) is _Tiny and vars(tiny)["_compiled_call_impl"] is compiled  # unwrapped again
+    assert type(tiny) is TinyTransformer and vars(tiny)["_compiled_call_impl"] is compiled  # unwrapped again
     pipe("p", num_inference_steps=3)
     assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_an_eager_transformer_gets_its_class_back() -> None:
     pipe = StubPipeline()
-    pipe.transformer = _Tiny()
+    pipe.transformer = TinyTransformer()
     pipe.latents = lambda: torch.zeros(1, 4, 8)  # type: ignore[method-assign]
     inst = instrument(pipe, registry=CollectorRegistry())
-    assert type(pipe.transformer) is not _Tiny and isinstance(pipe.transformer, _Tiny)
+    assert type(pipe.transformer) is not TinyTransformer and isinstance(pipe.transformer, TinyTransformer)
     pipe("p", num_inference_steps=2)
     assert inst.last_report is not None and inst.last_report.cfg_branches == 1
     uninstrument(pipe)
-    assert type(pipe.transformer) is _Tiny
+    assert type(pipe.transformer) is TinyTransformer
 
 
 def test_a_call_without_a_shape_is_counted_and_never_raises() -> None:

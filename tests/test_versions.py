@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from stepwatch import versions
 from stepwatch.bench.overhead import StubPipeline
 from stepwatch.exporter import instrument, uninstrument
+from tests.test_bench_ledger import TinyTransformer
 
 
 @pytest.mark.parametrize(("text", "parsed"), [
@@ -82,31 +82,17 @@ def test_an_untested_prometheus_client_observes_one_by_one(untested: set[str]) -
     assert _errors(registry, "version.batched_observe") == 1
 
 
-class _Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = torch.nn.Linear(8, 8)
-
-    def cache_context(self, name: str) -> Any:
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.proj(hidden_states)
-
-
 def test_an_untested_torch_leaves_a_module_compiled_in_place_alone(untested: set[str]) -> None:
     untested.add("torch")
     pipe = StubPipeline(branches=2)
-    tiny = _Tiny()
+    tiny = TinyTransformer()
     tiny.compile(backend="eager", dynamic=False)
     compiled = vars(tiny)["_compiled_call_impl"]
     pipe.transformer = tiny
     pipe.latents = lambda: torch.zeros(1, 4, 8)  # type: ignore[method-assign]
     registry = CollectorRegistry()
     inst = instrument(pipe, registry=registry)
-    assert vars(tiny)["_compiled_call_impl"] is compiled and type(tiny) is _Tiny
+    assert vars(tiny)["_compiled_call_impl"] is compiled and type(tiny) is TinyTransformer
     pipe("p", num_inference_steps=2)
     uninstrument(pipe)
     assert inst.last_report is not None and inst.last_report.cfg_branches == 2  # from the two cache_contexts
