@@ -304,10 +304,12 @@ class StepFlops:
         if req.call_shape is None:
             return None
         hidden, text = req.call_shape
+        if text is None:  # the call passed no encoder_hidden_states: the request's text length (max_sequence_length)
+            text = req.text_tokens
         key = (hidden, text)
         one = self._memo.get(key)
         if one is None:
-            one = self.model.forward_flops(self.model.image_tokens(hidden), text if text is not None else 0)
+            one = self.model.forward_flops(self.model.image_tokens(hidden), text)
             if len(self._memo) < self._MEMO_MAX:
                 self._memo[key] = one
         return samples * one

@@ -208,3 +208,15 @@ def test_a_unet_has_no_ledger_rather_than_a_wrong_one() -> None:
     with torch.device("meta"):
         unet = UNet2DConditionModel()
     assert ledger_model(unet) is None
+
+
+def test_a_call_without_text_counts_the_requests_text_length() -> None:
+    from stepwatch.exporter.ledger import LedgerModel
+    from stepwatch.exporter.request import StepFlops
+
+    model = LedgerModel("x", {"img": 10.0, "txt": 3.0}, {"cross": 4.0})
+    req = RequestMarks(start=0.0, start_unix=0.0, height=64, width=64, frames=None, steps_hint=2, cfg_hint=False,
+                       text_tokens=32, parent_ctx=None, cache=None, call_shape=((2, 16, 8), None))
+    assert StepFlops(model)(req, 2) == 2 * model.forward_flops(16, 32)
+    req.call_shape = ((2, 16, 8), 7)
+    assert StepFlops(model)(req, 2) == 2 * model.forward_flops(16, 7)
