@@ -133,7 +133,11 @@ def _recording(inst: Instrumentation, call: Callable[..., Any], bound: bool) -> 
 def denoiser_class(inst: Instrumentation, cls: type) -> type:
     """A subclass of the transformer's class whose __call__ records what each call receives before the
     module's own call, outside anything torch.compile traces (one per handle and class)."""
-    call = _recording(inst, cls.__call__, True)
+    return _with_call(cls, _recording(inst, cls.__call__, True))
+
+
+def _with_call(cls: type, call: Callable[..., Any]) -> type:
+    """A subclass of ``cls`` that only replaces ``__call__`` (looked up on the type), named as ``cls``."""
     return type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__, "_stepwatch_original_class": cls})
 
@@ -189,13 +193,7 @@ def instrumented_class(cls: type) -> type:
 
     __call__.__doc__ = original_call.__doc__
     __call__.__wrapped__ = original_call  # type: ignore[attr-defined]
-    sub = type(cls.__name__, (cls,), {
-        "__call__": __call__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "_stepwatch_original_class": cls,
-    })
-    _CLASS_CACHE[cls] = sub
+    sub = _CLASS_CACHE[cls] = _with_call(cls, __call__)
     return sub
 
 
