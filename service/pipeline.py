@@ -263,6 +263,42 @@ def build_pipeline(family: str = "flux", model: str | os.PathLike[str] | None = 
     return pipe
 
 
+def compile_transformer(transformer: Any, mode: str, backend: str) -> None:
+    """torch.compile the transformer as the service does: ``regional`` compiles its repeated blocks (one code
+    object for all of them, compiled once), ``full`` the whole module; static shapes (serving shapes are few).
+
+    Regional compile shares that code object across all blocks, and the cache hooks add variants: Dynamo's
+    default limit of 8 would silently fall back to eager after a few shapes and hide exactly the serving
+    recompiles the service must show, so the limits are raised."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    if mode == "regional":
+        transformer.compile_repeated_blocks(backend=backend, dynamic=False)
+    else:
+        transformer.compile(backend=backend, dynamic=False)
+
+
+def generate_images(pipe: Any, req: Any, text_tokens: int, callback: Callable[..., Any] | None = None) -> Any:
+    """One image request (service/api.py's GenerationRequest) through an image pipeline, as the worker runs it:
+    the prompt mapped onto the practice vocabulary, the request's seed, true CFG with an empty negative prompt
+    when its guidance is above 1, NumPy output."""
+    kwargs: dict[str, Any] = {"negative_prompt": "", "true_cfg_scale": req.guidance_scale} if req.cfg else {}
+    return pipe(prompt_words(req.prompt), height=req.height, width=req.width, num_inference_steps=req.steps,
+                num_images_per_prompt=req.n, max_sequence_length=text_tokens, output_type="np",
+                generator=torch.Generator().manual_seed(req.seed), callback_on_step_end=callback, **kwargs)
+
+
+def generate_video(pipe: Any, req: Any, text_tokens: int, on_step: Callable[..., Any] | None = None) -> Any:
+    """One video job through the video pipeline, as the worker runs it (CFG with an empty negative prompt)."""
+    kwargs: dict[str, Any] = {"negative_prompt": ""} if req.cfg else {}
+    return pipe(prompt_words(req.prompt), height=req.height, width=req.width, num_frames=req.frames,
+                num_inference_steps=req.steps, guidance_scale=req.guidance_scale, max_sequence_length=text_tokens,
+                output_type="np", generator=torch.Generator().manual_seed(req.seed), callback_on_step_end=on_step,
+                **kwargs)
+
+
 def weights_digest(pipe: Any) -> str:
     """sha256 over every parameter and buffer of every module: the weights' identity."""
     h = hashlib.sha256()

@@ -13,6 +13,7 @@ import torch._dynamo
 
 from stepwatch.service.cache import apply_cache, current
 from stepwatch.service.config import ServiceConfig
+from stepwatch.service.pipeline import compile_transformer
 from stepwatch.service.video import set_decode_chunk
 
 
@@ -82,22 +83,13 @@ class Knobs:
         return bool(kind != before and self.compile_active)
 
     def _set_compile(self, on: bool) -> None:
-        # Regional compile shares one code object (the hook's forward) across all blocks, and the
-        # cache hooks add variants: Dynamo's default limit of 8 would silently fall back to eager
-        # after a few shapes and hide exactly the serving recompiles the service must show.
-        torch._dynamo.config.recompile_limit = 256
-        torch._dynamo.config.accumulated_recompile_limit = 4096
         # FX marks "tracing" in one flag for the whole process, and a compile traces: while a streaming session's
         # thread compiles or traces, a compiled block called on this thread would raise "FX to symbolically trace a
         # dynamo-optimized function". Off, that call runs the block eagerly once (same result); the next compiles.
         torch._dynamo.config.error_on_nested_fx_trace = False
         tr = self.pipe.transformer
-        mode, backend = self.cfg.compile.mode, self.cfg.compile.backend
         if on:
-            if mode == "regional":
-                tr.compile_repeated_blocks(backend=backend, dynamic=False)
-            else:
-                tr.compile(backend=backend, dynamic=False)
+            compile_transformer(tr, self.cfg.compile.mode, self.cfg.compile.backend)
         else:
             for m in tr.modules():
                 if getattr(m, "_compiled_call_impl", None) is not None:

@@ -16,15 +16,16 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from stepwatch.exporter.memory import is_oom
 from stepwatch.procs import large_blocks_returned_when_freed, malloc_trim
 from stepwatch.service.api import GenerationRequest
+from stepwatch.service.cache import apply_cache, current
 from stepwatch.service.config import ServiceConfig
 from stepwatch.service.messages import ErrorMsg, GenerateMsg, ResultMsg, internal_message
-from stepwatch.service.pipeline import prompt_words
+from stepwatch.service.pipeline import generate_images, generate_video
+from stepwatch.service.shape_cache import threshold_for
 from stepwatch.service.video import CONTENT_TYPE, JobCancelled, encode_mp4, to_uint8
 from stepwatch.service.worker_memory import TRIM_SLACK_BYTES, vm_status
 
@@ -46,26 +47,31 @@ class Requests:
     rank_delays: dict[int, float]
     rss_floor: int
     send: Callable[[Any], None]
+    _stamp: Any
 
     def _run(self, req: GenerationRequest) -> Any:
-        kwargs: dict[str, Any] = {}
-        if req.cfg:
-            kwargs = {"negative_prompt": "", "true_cfg_scale": req.guidance_scale}
         delay = self.rank_delays.get(self.rank, 0.0)
         callback = None
         if delay > 0:
             def callback(_p: Any, _i: int, _t: Any, kw: dict[str, Any]) -> dict[str, Any]:
                 time.sleep(delay)  # a straggler: this rank's every step is slower
                 return kw
-        return self.pipe(
-            prompt_words(req.prompt), height=req.height, width=req.width, num_inference_steps=req.steps,
-            num_images_per_prompt=req.n, max_sequence_length=self.cfg.text_tokens, output_type="np",
-            generator=torch.Generator().manual_seed(req.seed), callback_on_step_end=callback, **kwargs)
+        self._shape_cache(req)
+        return generate_images(self.pipe, req, self.cfg.text_tokens, callback)
+
+    def _shape_cache(self, req: GenerationRequest) -> None:
+        """Set the first-block-cache threshold this request's shape runs at (config ``shape_cache``): an edit in
+        place, only when it differs from the one in force."""
+        table = {k: v["threshold"] for k, v in self.cfg.shape_cache.items()}
+        if not table:
+            return
+        want = threshold_for(req.shape, table, self.knobs, (self.cfg.cache.kind, self.cfg.cache.threshold))
+        if want is not None and current(self.pipe.transformer)[1] != want:
+            apply_cache(self.pipe, "first_block_cache", want, steps=self.cfg.default_steps, stamp=self._stamp)
 
     def _run_video(self, req: GenerationRequest, msg_id: str | None) -> Any:
         """One video job on the video pipeline; each step reports progress (``msg_id``) and checks whether the
         job was cancelled (JobCancelled, raised from the step callback, stops it within a step)."""
-        kwargs: dict[str, Any] = {"negative_prompt": ""} if req.cfg else {}
 
         def on_step(_p: Any, i: int, _t: Any, kw: dict[str, Any]) -> dict[str, Any]:
             if self.cancel is not None and req.job and self.cancel.value == req.job:
@@ -74,11 +80,7 @@ class Requests:
                 self.send({"op": "progress", "id": msg_id, "step": i + 1, "steps": req.steps})
             return kw
 
-        return self.video_pipe(
-            prompt_words(req.prompt), height=req.height, width=req.width, num_frames=req.frames,
-            num_inference_steps=req.steps, guidance_scale=req.guidance_scale, max_sequence_length=self.cfg.text_tokens,
-            output_type="np", generator=torch.Generator().manual_seed(req.seed), callback_on_step_end=on_step,
-            **kwargs)
+        return generate_video(self.video_pipe, req, self.cfg.text_tokens, on_step)
 
     def generate(self, msg: GenerateMsg) -> ResultMsg | ErrorMsg:
         req = GenerationRequest(**msg["request"])
