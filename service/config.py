@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from stepwatch.service import shape_cache
 from stepwatch.service.cache import KINDS as CACHE_KINDS
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -157,6 +158,8 @@ class ServiceConfig:
     warmup: list[str] = field(default_factory=lambda: ["512x512"])
     warmup_steps: int = 2  # compiled graphs do not depend on the step count; fewer steps warm faster
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # Serving shape -> {threshold}: that shape's first-block-cache threshold (service/shape_cache.py).
+    shape_cache: dict[str, Any] = field(default_factory=dict)
     vae_tiling: bool = True
     memory_budget_mb: float | None = 700.0  # headroom above the warmed worker; None: no budget
     pools: list[PoolConfig] = field(default_factory=list)
@@ -354,6 +357,7 @@ def validate(cfg: ServiceConfig) -> None:
     _check_compile_and_cache(cfg)
     _check_queue(cfg)
     _check_sizes(cfg)
+    _check_shape_cache(cfg)
     _check_video(cfg)
     _check_stream(cfg)
     if cfg.admin_token is not None and (not isinstance(cfg.admin_token, str) or len(cfg.admin_token) < 8):
@@ -436,6 +440,15 @@ def _check_compile_and_cache(cfg: ServiceConfig) -> None:
         _check_type(cfg.memory_budget_mb, (int, float), "memory_budget_mb")
         if cfg.memory_budget_mb <= 0:
             raise ConfigError("memory_budget_mb: must be > 0 (or null for no budget)")
+
+
+def _check_shape_cache(cfg: ServiceConfig) -> None:
+    """Per-shape thresholds name serving shapes (checked once the sizes are)."""
+    try:
+        table = shape_cache.check(cfg.shape_cache, cfg.cache.kind, cfg.serving_shapes() if cfg.shape_cache else [])
+    except shape_cache.ShapeCacheError as e:
+        raise ConfigError(str(e)) from None
+    cfg.shape_cache = {k: {"threshold": t} for k, t in table.items()}
 
 
 def _check_queue(cfg: ServiceConfig) -> None:

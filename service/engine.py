@@ -221,7 +221,8 @@ class Service:
     def config_id(self) -> str:
         """The fingerprint plus every knob: changes with any runtime change (the fingerprint proper leaves out
         the lossy knobs, since quality baselines must stay comparable across them)."""
-        return fingerprint_id({"fingerprint": self.fingerprint, "knobs": self.knobs})
+        shape_cache = {"shape_cache": self.cfg.shape_cache} if self.cfg.shape_cache else {}
+        return fingerprint_id({"fingerprint": self.fingerprint, "knobs": self.knobs, **shape_cache})
 
     def _note_startup_config(self) -> None:
         """The first ready worker's configuration is the process's start-up one: compared with the previous
@@ -230,7 +231,7 @@ class Service:
             return
         self._history_started = True
         settings = {**{k: self.knobs.get(k) for k in self._overridable()},
-                    "fingerprint": fingerprint_id(self.fingerprint)}
+                    "fingerprint": fingerprint_id(self.fingerprint), "shape_cache": self.cfg.shape_cache or None}
         rollout = self.history.start(self.config_id(), settings)
         if rollout is not None:
             log.warning("configuration rolled out by restart: %s (config %s -> %s)", ", ".join(rollout.keys),
@@ -244,7 +245,7 @@ class Service:
         # Info metrics keep old label sets; clear so only the current config shows.
         self.m.service_config.clear()
         self.m.service_config.info(info)
-        publish_rollout(self.m, self.history.last, (*self._overridable(), "fingerprint"))
+        publish_rollout(self.m, self.history.last, (*self._overridable(), "fingerprint", "shape_cache"))
         started = self.started_knobs or {}
         for k in self._overridable():
             self.m.service_knob_override_active.labels(knob=k).set(

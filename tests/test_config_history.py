@@ -59,12 +59,14 @@ def test_an_unreadable_state_file_starts_a_new_history(tmp_path: Path) -> None:
 KNOBS = {"cache": "first_block_cache", "vae_tiling": True, "compile": False, "attention_backend": "native"}
 
 
-def _service(state_dir: Path, threshold: float) -> tuple[Any, CollectorRegistry]:
+def _service(state_dir: Path, threshold: float, shape_cache: dict[str, Any] | None = None,
+             ) -> tuple[Any, CollectorRegistry]:
     from stepwatch.service.config import parse
     from stepwatch.service.engine import Service
 
     registry = CollectorRegistry()
-    svc = Service(parse({"warmup": [], "state_dir": str(state_dir),
+    svc = Service(parse({"warmup": [], "state_dir": str(state_dir), "shape_cache": shape_cache,
+                         "pools": {"small": {"sizes": ["512x512"]}},
                          "cache": {"kind": "first_block_cache", "threshold": threshold}}), registry)
     ready = {"fingerprint": {"model": "practice"}, "knobs": {**KNOBS, "cache_threshold": threshold}}
     svc.on_worker_ready(ready)  # type: ignore[arg-type]
@@ -107,3 +109,14 @@ def test_a_state_dir_that_is_not_a_path_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="state_dir"):
         parse({"state_dir": 3})
+
+
+def test_a_rollout_of_per_shape_thresholds_alone_is_named(tmp_path: Path) -> None:
+    """`stepwatch sweep --write-config` rolls out per-shape thresholds with the global one unchanged: the cache
+    runbooks read key shape_cache as a change, and the config id moves."""
+    first, _ = _service(tmp_path, 0.7)
+    _, reg = _service(tmp_path, 0.7, {"512x512_8s": {"threshold": 0.9}})
+    _, keys, info = _rollout(reg)
+    assert keys == ["shape_cache"] and info["config_id"] != info["previous_config_id"] == first.config_id()
+    _, reg = _service(tmp_path, 0.7, {"512x512_8s": {"threshold": 0.9}})
+    assert _rollout(reg)[1] == ["shape_cache"]  # a routine restart keeps the last rollout
