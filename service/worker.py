@@ -215,7 +215,8 @@ class Worker(Knobs, Requests):
                 if kind == "first_block_cache" and self.compile_active:
                     apply_cache(self.pipe, kind, 1e9, stamp=self._stamp)
                     try:
-                        self._run(GenerationRequest("warm up", 1, w, h, self.cfg.cache_warmup_steps, 1.0, 0))
+                        self._run(GenerationRequest("warm up", 1, w, h, self.cfg.cache_warmup_steps, 1.0, 0),
+                                  per_shape=False)
                     finally:
                         apply_cache(self.pipe, kind, threshold, stamp=self._stamp)
         return out

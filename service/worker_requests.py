@@ -49,14 +49,16 @@ class Requests:
     send: Callable[[Any], None]
     _stamp: Any
 
-    def _run(self, req: GenerationRequest) -> Any:
+    def _run(self, req: GenerationRequest, per_shape: bool = True) -> Any:
+        """One image request; ``per_shape`` False leaves the cache threshold as set (a warm-up that forces hits)."""
         delay = self.rank_delays.get(self.rank, 0.0)
         callback = None
         if delay > 0:
             def callback(_p: Any, _i: int, _t: Any, kw: dict[str, Any]) -> dict[str, Any]:
                 time.sleep(delay)  # a straggler: this rank's every step is slower
                 return kw
-        self._shape_cache(req)
+        if per_shape:
+            self._shape_cache(req)
         return generate_images(self.pipe, req, self.cfg.text_tokens, callback)
 
     def _shape_cache(self, req: GenerationRequest) -> None:

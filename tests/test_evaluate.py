@@ -58,7 +58,7 @@ def test_evaluate_reports_every_field_per_shape(cfg: Any) -> None:
     rep = evaluate(cfg, shapes, images=4)
     json.dumps(json_safe(rep), allow_nan=False)
     assert rep["engine"].startswith("diffusers ") and rep["precision"] == "float32"
-    assert rep["device"]["type"] == "cpu" and rep["compile"] == "off (eager)"
+    assert rep["device"]["type"] == "cpu" and rep["shapes"][0]["compile"] == "off (eager)"
     assert "not measured" in rep["lpips"]
     image, video = rep["shapes"]
     assert (image["shape"], image["steps"], image["cfg"], image["kind"]) == ("64x64_8s", 8, "off", "image")
@@ -217,3 +217,27 @@ def test_a_bad_shape_cache_is_refused_with_its_key(shape_cache: Any, cache: Any,
     with pytest.raises(ConfigError, match="shape_cache") as e:
         load(overrides={"shape_cache": shape_cache, "cache": cache})
     assert says in str(e.value)
+
+
+def test_a_tuned_config_serves_its_hits_without_recompiling() -> None:
+    """The worker's warm-up forces cache hits so that no hit compiles while serving; a shape's own threshold must
+    not undo that forcing (it did: every 512^2 request of a swept config recompiled, and paged)."""
+    from dataclasses import asdict
+
+    from stepwatch.service.api import GenerationRequest
+    from stepwatch.service.worker import Worker
+
+    raw = {"warmup": ["256x256"], "pools": {"small": {"sizes": ["256x256"]}}, "memory_budget_mb": None,
+           "compile": {"enabled": True, "backend": "eager"}, "video": {"enabled": False},
+           "cache": {"kind": "first_block_cache", "threshold": 0.7}, "shape_cache": {"256x256_8s": {"threshold": 1.6}}}
+    worker = Worker(raw, conn=None)
+    worker.setup()
+    try:
+        for seed in (1, 2):
+            req = asdict(GenerationRequest("a red fox", 1, 256, 256, 8, 1.0, seed))
+            assert worker.generate({"op": "generate", "id": str(seed), "request": req})["op"] == "result"
+            rep = worker.inst.last_report
+            hits = "".join("H" if h else "." for _, _, h in rep.cache_decisions)
+            assert "HH" in hits and rep.compiles == [], (hits, rep.compiles)
+    finally:
+        worker.inst.remove()
