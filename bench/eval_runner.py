@@ -207,17 +207,22 @@ class Runner:
         model, family = (cfg.video.model, "wan") if shape.is_video else (cfg.model, cfg.family)
         return Path(model).name if model else f"stepwatch-tiny-{family}-seed{cfg.seed}"
 
+    def compile_mode(self, shape: Shape) -> str:
+        """How the shape's pipeline runs: the config's compile for images; video eager, as the worker serves it."""
+        c = self.cfg.compile
+        return f"{c.backend}/{c.mode}" if c.enabled and not shape.is_video else "off (eager)"
+
     def describe(self) -> dict[str, Any]:
         """Engine, backend, precision and device of the image pipeline, for the report's header."""
         import torch
 
         pipe, _ = self.pipeline(False)
-        cfg = self.cfg
+        ranks = self.cfg.ranks
         return {
             "engine": f"diffusers {_version('diffusers')}, torch {torch.__version__}",
-            "compile": f"{cfg.compile.backend}/{cfg.compile.mode}" if cfg.compile.enabled else "off (eager)",
             "attention_backend": "native (torch SDPA through diffusers' dispatch)",
-            "parallel_degree": 1,
+            # One process, one rank: sequence parallelism changes a request's latency, not its GPU-seconds.
+            "parallel_degree": 1 if ranks == 1 else f"1 (the config serves {ranks} ranks)",
             "precision": str(pipe.dtype).removeprefix("torch."),
             "device": device_info(str(pipe.device)),
         }

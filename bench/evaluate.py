@@ -86,7 +86,7 @@ def evaluate_shape(runner: Runner, shape: Shape, images: int, lpips_note: str | 
     ratio, (lo, hi) = paired_speedup([it.seconds for it in b], [it.seconds for it in s])
     row: dict[str, Any] = {
         "shape": shape.label, "model": runner.model(shape), "kind": "video" if shape.is_video else "image",
-        "steps": shape.steps,
+        "steps": shape.steps, "compile": runner.compile_mode(shape),
         "frames": shape.frames or None, "cfg": shape.guidance if shape.guidance > 1 else "off",
         "cache": {"kind": served.cache_kind, "threshold": served.cache_threshold,
                   "hit_ratio": sum(it.hits for it in s) / decisions if decisions else 0.0},
@@ -134,7 +134,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += [
             f"## {r['shape']}", "",
             f"{r['model']} · {r['shape']} · {r['steps']} steps · CFG {r['cfg']} · {report['engine']} · "
-            f"compile {report['compile']} · attention {report['attention_backend']} · parallel "
+            f"compile {r['compile']} · attention {report['attention_backend']} · parallel "
             f"{report['parallel_degree']} · {report['precision']} · cache {cache} (hit ratio "
             f"{c['hit_ratio']:.2f}) · {device}", "",
             f"per step {r['step_ms']['median']:.1f} ms (median, n={r['step_ms']['n']}) · text encode "
