@@ -52,8 +52,11 @@ def real_row(rc: RealConfig) -> dict[str, Any]:
 
     from stepwatch.exporter.ledger import ledger_model
 
+    # The class first, outside the meta device: its lazy import would make module-level tensors (MagCache's
+    # ratios) meta tensors for the rest of the process.
+    cls = getattr(diffusers, rc.transformer)
     with torch.device("meta"):
-        transformer = getattr(diffusers, rc.transformer)(**rc.overrides)
+        transformer = cls(**rc.overrides)
     lm = ledger_model(transformer)
     assert lm is not None, rc.transformer  # every family here is a transformer
     h, w, frames = rc.size
