@@ -67,13 +67,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     say(f"evaluating {', '.join(s.label for s in shapes)} on {cfg.model or 'the practice model'} "
         f"({args.images} items per shape)")
-    if args.determinism:
-        from stepwatch.bench import determinism
+    try:
+        if args.determinism:
+            from stepwatch.bench import determinism
 
-        rep = determinism.determinism(cfg, shapes, args.images, progress=say)
-        emit(rep, args.json, determinism.to_markdown)
-        return 0 if rep["bit_exact"] else 1
-    from stepwatch.bench import evaluate
+            rep = determinism.determinism(cfg, shapes, args.images, progress=say)
+            emit(rep, args.json, determinism.to_markdown)
+            return 0 if rep["bit_exact"] else 1
+        from stepwatch.bench import evaluate
 
-    emit(evaluate.evaluate(cfg, shapes, args.images, args.qps, progress=say), args.json, evaluate.to_markdown)
+        emit(evaluate.evaluate(cfg, shapes, args.images, args.qps, progress=say), args.json, evaluate.to_markdown)
+    except RUN_ERRORS as e:
+        return failed("evaluate", e)
     return 0
+
+
+# What a run can fail with that is no bug here: the pipeline (an out-of-memory is a RuntimeError), a model
+# directory that does not load, a restarted process that failed.
+RUN_ERRORS = (RuntimeError, MemoryError, OSError, ValueError)
+
+
+def failed(command: str, e: BaseException) -> int:
+    """One line for the launch owner, no traceback (``-v`` logs one)."""
+    import logging
+
+    logging.getLogger("stepwatch.bench").debug("stepwatch %s failed", command, exc_info=e)
+    print(f"stepwatch {command}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+          file=sys.stderr)
+    return 1

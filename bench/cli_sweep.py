@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Any
 
-from stepwatch.bench.cli_evaluate import config_and_shapes, emit, say
+from stepwatch.bench.cli_evaluate import RUN_ERRORS, config_and_shapes, emit, failed, say
 from stepwatch.bench.eval_runner import IMAGES
 from stepwatch.bench.sweep import SWEEPS
 from stepwatch.service.config import ConfigError
@@ -66,22 +66,27 @@ def to_table(result: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from stepwatch.bench import sweep_output
-    from stepwatch.bench.sweep import check_values, run_sweep
+    from stepwatch.bench.sweep import check_values, gate_for, run_sweep
     from stepwatch.thresholds import ThresholdsError, load
 
     try:
         cfg, shapes = config_and_shapes(args)
         th = load(args.thresholds)
         values = check_values(args.sweep, args.values) if args.values else None
+        for shape in shapes:
+            gate_for(shape, th, args.gate)
         if args.write_config and args.no_compile:
             raise ValueError("--write-config with --no-compile: step-time baselines measured eagerly would not "
                              "match the compiled service; sweep as the service runs")
         say(f"sweeping {args.sweep} on {', '.join(s.label for s in shapes)} ({args.images} items per value)")
-        result = run_sweep(cfg, args.sweep, shapes, th, values, args.images, args.gate, progress=say)
     except (ConfigError, ThresholdsError, ValueError) as e:
         print(f"stepwatch sweep: {e}", file=sys.stderr)
         return 2
-    result["plot"] = str(sweep_output.plot(result, args.plot or f"sweep-{args.sweep}.png"))
+    try:
+        result = run_sweep(cfg, args.sweep, shapes, th, values, args.images, args.gate, progress=say)
+        result["plot"] = str(sweep_output.plot(result, args.plot or f"sweep-{args.sweep}.png"))
+    except RUN_ERRORS as e:
+        return failed("sweep", e)
     if args.write_config:
         try:
             out, base, notes = sweep_output.write_config(result, args.config, args.write_config)

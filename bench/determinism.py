@@ -79,18 +79,22 @@ def render_set(runner: Runner, shape: Shape, images: int) -> list[np.ndarray]:
     return [runner.render(shape, setting, i).output for i in range(images)]
 
 
-def _restart(cfg: ServiceConfig, shapes: list[Shape], images: int, threads: int) -> tuple[dict[str, Any], Path]:
+def _restart(cfg: ServiceConfig, shapes: list[Shape], images: int, threads: int,
+             ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The set rendered by a fresh process (a restart of the deployment); its settings and outputs."""
-    tmp = Path(tempfile.mkdtemp(prefix="stepwatch-determinism-"))
-    (tmp / "config.yaml").write_text(yaml.safe_dump(cfg.to_raw()))
-    cmd = [sys.executable, "-m", "stepwatch.bench.determinism", "--config", str(tmp / "config.yaml"),
-           "--images", str(images), "--threads", str(threads), "--out", str(tmp / "out.npz"),
-           *[s.label for s in shapes]]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=RESTART_TIMEOUT_S)
-    if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"the restarted process failed (exit {done.returncode}): {tail[0]}")
-    return json.loads(done.stdout.strip().splitlines()[-1]), tmp / "out.npz"
+    with tempfile.TemporaryDirectory(prefix="stepwatch-determinism-") as d:
+        tmp = Path(d)
+        (tmp / "config.yaml").write_text(yaml.safe_dump(cfg.to_raw()))
+        cmd = [sys.executable, "-m", "stepwatch.bench.determinism", "--config", str(tmp / "config.yaml"),
+               "--images", str(images), "--threads", str(threads), "--out", str(tmp / "out.npz"),
+               *[s.label for s in shapes]]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=RESTART_TIMEOUT_S)
+        if done.returncode != 0:
+            tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"the restarted process failed (exit {done.returncode}): {tail[0]}")
+        with np.load(tmp / "out.npz") as npz:
+            outputs = {k: npz[k] for k in npz.files}
+    return json.loads(done.stdout.strip().splitlines()[-1]), outputs
 
 
 def determinism(cfg: ServiceConfig, shapes: list[Shape], images: int,
@@ -103,8 +107,7 @@ def determinism(cfg: ServiceConfig, shapes: list[Shape], images: int,
     again = {s.label: render_set(runner, s, images) for s in shapes}
     if progress:
         progress("  the same set in a fresh process (a restart)")
-    there, npz = _restart(cfg, shapes, images, torch.get_num_threads())
-    restarted = np.load(npz)
+    there, restarted = _restart(cfg, shapes, images, torch.get_num_threads())
     here = settings()
     rows = []
     for s in shapes:

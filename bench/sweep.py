@@ -18,6 +18,7 @@ most few_step.max_steps without CFG) is not swept for a cache: a cross-step cach
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -94,8 +95,11 @@ def check_values(sweep: str, values: list[Any]) -> list[Any]:
     out: list[Any] = []
     for v in values:
         if sweep == "cache-threshold":
-            t = float(v)
-            if not 0 <= t < float("inf"):
+            try:
+                t = float(v)
+            except ValueError:
+                t = math.nan
+            if not 0 <= t < math.inf:
                 raise ValueError(f"--values: threshold {v} must be a finite number >= 0")
             out.append(t)
         elif sweep == "cache-kind":

@@ -156,7 +156,9 @@ def test_the_cli_prints_json_curves_and_refuses_bad_input(tmp_path: Path, capsys
     assert len(row["curve"]) == 4 and all(len(p["speedup_interval"]) == 2 for p in row["curve"])
     for bad in (["evaluate", "--images", "0"], ["evaluate", "--shapes", "63x64"],
                 ["sweep", "cache-threshold", "--values", "-1", "--shapes", "64x64", "--no-compile"],
-                ["sweep", "cache-kind", "--values", "lru", "--shapes", "64x64", "--no-compile"]):
+                ["sweep", "cache-kind", "--values", "lru", "--shapes", "64x64", "--no-compile"],
+                ["sweep", "cache-threshold", "--values", "high", "--shapes", "64x64", "--no-compile"],
+                ["sweep", "steps", "--gate", "lossy_iii", "--shapes", "64x64", "--no-compile"]):
         assert main(bad) == 2, bad
         err = capsys.readouterr().err
         assert err.startswith("stepwatch ") and "Traceback" not in err
@@ -241,3 +243,24 @@ def test_a_tuned_config_serves_its_hits_without_recompiling() -> None:
             assert "HH" in hits and rep.compiles == [], (hits, rep.compiles)
     finally:
         worker.inst.remove()
+
+
+def test_cache_kind_and_steps_sweeps(cfg: Any, tmp_path: Path) -> None:
+    """Every kind hits and keeps some quality; fewer steps are faster and, on the practice model, under the gate;
+    a kind sweep writes ``cache.kind``, a steps sweep labels its baselines with the working steps."""
+    th, shape = load_thresholds(), parse_shape("64x64", cfg)
+    kinds = run_sweep(cfg, "cache-kind", [shape], th, None, images=3)
+    curve = kinds["shapes"][0]["curve"]
+    assert [p["value"] for p in curve] == ["first_block_cache", "mag_cache", "taylorseer"]
+    assert all(p["hit_ratio"] > 0 and p["quality"]["psnr"]["p10"] > 20 for p in curve)
+    steps = run_sweep(cfg, "steps", [shape], th, ["2", "6"], images=3)["shapes"][0]
+    two, six = steps["curve"]
+    assert two["speedup"] > six["speedup"] > 1 and two["quality"]["psnr"]["p10"] < six["quality"]["psnr"]["p10"]
+    wp = kinds["shapes"][0]["working_point"]
+    raw = yaml.safe_load(default_path().read_text())
+    raw["pools"]["small"]["sizes"].append("64x64")
+    (tmp_path / "src.yaml").write_text(yaml.safe_dump(raw))
+    out, _, _ = sweep_output.write_config(kinds, str(tmp_path / "src.yaml"), tmp_path / "kind.yaml")
+    assert load(out).cache.kind == wp["value"]
+    fake = {"sweep": "steps", "shapes": [{"shape": "64x64_8s_cfg", "working_point": {**wp, "value": 6}}]}
+    assert list(sweep_output.baselines(fake)["shapes"]) == ["64x64_6s_cfg"]
