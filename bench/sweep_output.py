@@ -11,7 +11,6 @@ service's own parser before anything is written, and written whole or not at all
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import yaml
 
 from stepwatch.exporter.shapes import ShapeKey
+from stepwatch.files import write_atomically
 from stepwatch.service.config import ConfigError, default_path, parse
 
 PLOT_CAP_DB = 60.0  # identical images (PSNR inf) are drawn here, marked
@@ -116,7 +116,7 @@ def write_config(result: dict[str, Any], source: str | None, out: str | Path) ->
     out = Path(out)
     base_path = out.with_name(out.stem + ".baselines.yaml")
     raw["baselines"] = str(base_path)
-    _atomic_write(base_path, "# Per-shape baselines at the working points of `stepwatch sweep " + result["sweep"]
+    write_atomically(base_path, "# Per-shape baselines at the working points of `stepwatch sweep " + result["sweep"]
                   + "`: what StepwatchStepTimeRegression and StepwatchCacheHitRateShift compare with.\n"
                   + yaml.safe_dump(baselines(result), sort_keys=True))
     try:
@@ -124,12 +124,7 @@ def write_config(result: dict[str, Any], source: str | None, out: str | Path) ->
     except ConfigError:
         base_path.unlink(missing_ok=True)
         raise
-    _atomic_write(out, f"# Written by `stepwatch sweep {result['sweep']} --write-config` from {src.name}.\n"
+    write_atomically(out, f"# Written by `stepwatch sweep {result['sweep']} --write-config` from {src.name}.\n"
                   + yaml.safe_dump(raw, sort_keys=False))
     return out, base_path, notes
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

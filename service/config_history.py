@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from stepwatch.files import write_atomically
 from stepwatch.metrics import ServiceMetrics
 
 log = logging.getLogger("stepwatch.service")
@@ -93,9 +93,7 @@ class ConfigHistory:
         data = {"config_id": config_id, "settings": settings, "last": last}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data, sort_keys=True, default=str))
-            os.replace(tmp, path)  # a crash mid-write leaves the old file, never half of one
+            write_atomically(path, json.dumps(data, sort_keys=True, default=str))
         except OSError as e:
             log.warning("config history: cannot write %s (%s); restarts will not be compared", path, e)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stepwatch.files import write_atomically
 from stepwatch.promapi import PromError, Prometheus
 from stepwatch.triage.alert import Alert, alerts_from_webhook
 from stepwatch.triage.engine import Engine, firing_at
@@ -65,13 +65,13 @@ def write_reports(out: Path, reports: Reports) -> str:
     markdown are on disk, so it measures what an on-call person waits for.
     """
     data = reports.data
-    _write(out / f"{reports.base}.txt", reports.text)
-    _write(out / f"{reports.base}.md", reports.md)
+    write_atomically(out / f"{reports.base}.txt", reports.text)
+    write_atomically(out / f"{reports.base}.md", reports.md)
     data["latency_s"] = round(time.time() - data["received_at_unix"], 3)
     body = json.dumps(data, indent=2)
-    _write(out / f"{reports.base}.json", body)
+    write_atomically(out / f"{reports.base}.json", body)
     for ext, content in (("txt", reports.text), ("md", reports.md), ("json", body)):
-        _write(out / f"latest.{ext}", content)
+        write_atomically(out / f"latest.{ext}", content)
     return body
 
 
@@ -104,7 +104,3 @@ def _summary(notified: list[Alert], report: Report) -> str:
     return f"{alerts} -> {', '.join(str(i.cause) for i in report.incidents) or '-'}"
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
