@@ -77,9 +77,16 @@ def test_evaluate_reports_every_field_per_shape(cfg: Any) -> None:
 
 
 def test_a_lossless_config_reads_identical_and_no_speedup() -> None:
-    """The control: no lossy option configured, so every item is the baseline's and the speedup interval holds 1."""
+    """The control: no lossy option configured, so the set rendered again (an A/A) is the baseline's byte for
+    byte, at about the same speed; and the first-block cache at threshold 0 (the baseline when a first-block cache
+    is configured) gives the cache-off image."""
     cfg = load(overrides={**EAGER, "cache": {"kind": "none", "threshold": 0.5}})
-    row = evaluate(cfg, [parse_shape("64x64", cfg)], images=4)["shapes"][0]
+    shape = parse_shape("64x64", cfg)
+    runner = Runner(cfg)
+    off = runner.render(shape, Setting("none", None), 2)
+    zero = runner.render(shape, Setting("first_block_cache", 0.0), 2)
+    assert np.array_equal(off.output, zero.output) and zero.decisions == 8 and zero.hits == 0
+    row = evaluate(cfg, [shape], images=4)["shapes"][0]
     assert row["quality"]["identical"] == 4 and math.isinf(row["quality"]["psnr"]["p10"])
     assert row["speedup_vs_baseline"]["ratio"] == pytest.approx(1.0, abs=AA_MARGIN)
 
