@@ -199,6 +199,25 @@ class Runner:
         return Item(out, seconds, list(rep.step_seconds), dict(rep.stages),
                     int(rep.memory_peak_bytes.get("request", 0)), rep.hits, len(rep.cache_decisions))
 
+    def side_by_side(self, shape: Shape, settings: list[Setting], images: int) -> list[list[Item]]:
+        """Each item under every setting back to back, the order rotated per item (each setting first as often
+        as the others, so a host's drift falls on all); settings[i]'s items.  With several cache kinds on a
+        compiled pipeline, one kind's settings at a time: a switch of kind recompiles, once per block, and that
+        call stays out of the timings."""
+        self.warm(shape, settings)
+        out: list[list[Item]] = [[] for _ in settings]
+        kinds = list(dict.fromkeys(s.cache_kind for s in settings))
+        groups = [[i for i, s in enumerate(settings) if s.cache_kind == k] for k in kinds] \
+            if self.cfg.compile.enabled and len(kinds) > 1 else [list(range(len(settings)))]
+        for group in groups:
+            if len(groups) > 1:
+                self.render(shape, settings[group[0]], 0)
+            for i in range(images):
+                k = i % len(group)
+                for j in group[k:] + group[:k]:
+                    out[j].append(self.render(shape, settings[j], i))
+        return out
+
     def model(self, shape: Shape) -> str:
         """The model a shape runs on: the config's directory (its last part, never a path) or the tiny one."""
         from pathlib import Path

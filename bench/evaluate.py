@@ -5,9 +5,7 @@ first-block cache configured, the same hooks at threshold 0, which compute every
 image without switching the compiled blocks' hooks) and the configured setting.  A lossless configuration is
 rendered twice all the same: an A/A that must read identical images and a speedup of about 1.  Timings are
 the configured run's; quality is the configured output against the baseline of the same prompt and seed.
-Items alternate which variant runs first, so a host's drift falls on both.  With two cache kinds on a
-compiled pipeline the variants run in two blocks instead (switching kinds per item would recompile each
-time), one warm call after the switch.
+Items alternate which variant runs first (``Runner.side_by_side``, as the sweep's values do).
 """
 
 from __future__ import annotations
@@ -30,23 +28,6 @@ def lossless_for(served: Setting) -> Setting:
     if served.cache_kind == "first_block_cache":
         return Setting("first_block_cache", 0.0, served.steps)
     return Setting("none", None, served.steps)
-
-
-def render_pair(runner: Runner, shape: Shape, base: Setting, served: Setting, images: int,
-                ) -> tuple[list[Item], list[Item]]:
-    """The set under ``base`` and under ``served``, side by side (or in two blocks, see the module's doc)."""
-    runner.warm(shape, [base, served])
-    if base.cache_kind != served.cache_kind and runner.cfg.compile.enabled:
-        b = [runner.render(shape, base, i) for i in range(images)]
-        runner.render(shape, served, 0)
-        return b, [runner.render(shape, served, i) for i in range(images)]
-    b, s = [], []
-    for i in range(images):
-        first, second = (base, served) if i % 2 == 0 else (served, base)
-        x, y = runner.render(shape, first, i), runner.render(shape, second, i)
-        b.append(x if first == base else y)
-        s.append(y if first == base else x)
-    return b, s
 
 
 def performance(shape: Shape, items: list[Item]) -> dict[str, Any]:
@@ -79,7 +60,7 @@ def evaluate_shape(runner: Runner, shape: Shape, images: int, lpips_note: str | 
     """One row of the report: what ran, how fast, how good against the lossless baseline."""
     served = configured(runner.cfg, shape)
     base = lossless_for(served)
-    b, s = render_pair(runner, shape, base, served, images)
+    b, s = runner.side_by_side(shape, [base, served], images)
     decisions = sum(it.decisions for it in s)
     ratio, (lo, hi) = paired_speedup([it.seconds for it in b], [it.seconds for it in s])
     row: dict[str, Any] = {

@@ -113,24 +113,6 @@ def check_values(sweep: str, values: list[Any]) -> list[Any]:
     return out
 
 
-def render_rotating(runner: Runner, shape: Shape, settings: list[Setting], images: int) -> list[list[Item]]:
-    """Each item under every setting back to back, the order rotated per item; settings[i]'s items.  With
-    several cache kinds on a compiled pipeline, one kind's settings at a time (a switch recompiles)."""
-    runner.warm(shape, settings)
-    out: list[list[Item]] = [[] for _ in settings]
-    kinds = list(dict.fromkeys(s.cache_kind for s in settings))
-    groups = [[i for i, s in enumerate(settings) if s.cache_kind == k] for k in kinds] \
-        if runner.cfg.compile.enabled and len(kinds) > 1 else [list(range(len(settings)))]
-    for group in groups:
-        if len(groups) > 1:
-            runner.render(shape, settings[group[0]], 0)  # the switch's recompile stays out of the timings
-        for i in range(images):
-            k = i % len(group)
-            for j in group[k:] + group[:k]:
-                out[j].append(runner.render(shape, settings[j], i))
-    return out
-
-
 def point(value: Any, base: list[Item], cand: list[Item], gate: Gate) -> dict[str, Any]:
     """One point of the curve: the paired speedup over the baseline and the quality against it."""
     ratio, (lo, hi) = paired_speedup([b.seconds for b in base], [c.seconds for c in cand])
@@ -149,7 +131,7 @@ def sweep_shape(runner: Runner, sweep: str, values: list[Any], shape: Shape, ima
     cfg = runner.cfg
     base = baseline(sweep, cfg, shape)
     settings = [base, base] + [candidate(sweep, v, cfg, shape) for v in values]
-    items = render_rotating(runner, shape, settings, images)
+    items = runner.side_by_side(shape, settings, images)
     aa = point(AA, items[0], items[1], gate)
     curve = [point(v, items[0], it, gate) for v, it in zip(values, items[2:], strict=True)]
     passing = [(p["speedup"], v, p) for v, p in zip(values, curve, strict=True) if p["passes_gate"]]

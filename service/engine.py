@@ -221,6 +221,7 @@ class Service:
     def config_id(self) -> str:
         """The fingerprint plus every knob: changes with any runtime change (the fingerprint proper leaves out
         the lossy knobs, since quality baselines must stay comparable across them)."""
+        # Only when set: a config without per-shape thresholds keeps the id it had before they existed.
         shape_cache = {"shape_cache": self.cfg.shape_cache} if self.cfg.shape_cache else {}
         return fingerprint_id({"fingerprint": self.fingerprint, "knobs": self.knobs, **shape_cache})
 
